@@ -1,0 +1,323 @@
+"""The DistServeDeployment resource: spec and status as typed models.
+
+This module is the single source of truth for what a user may write in
+`distserve.yaml`. The CRD in `crds/` is generated from these models
+(`scripts/gen_crds.py`), the command line reads the same file, and the operator
+validates the same way. Field names are camelCase in YAML (Kubernetes convention) and
+snake_case in Python.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "distserve.io"
+API_VERSION = "v1alpha1"
+KIND = "DistServeDeployment"
+PLURAL = "distservedeployments"
+DEFAULT_ENGINE_IMAGE = "ghcr.io/distserve/engine:0.1.0"
+
+
+class SpecError(ValueError):
+    """A spec that is not valid; the message names each field and what was expected."""
+
+
+class _Model(BaseModel):
+    """Base: camelCase aliases, unknown fields refused, values checked on assignment."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_assignment=True,
+    )
+
+
+class ModelSpec(_Model):
+    """Which model to serve."""
+
+    name: str = Field(
+        min_length=1,
+        description="Model to serve: a built-in catalog name or Hugging Face id "
+        "(facebook/opt-66b, meta-llama/Llama-2-70b-hf, HuggingFaceTB/SmolLM2-135M-Instruct) "
+        "or a path to a Hugging Face config.json.",
+    )
+    path: str | None = Field(
+        default=None,
+        description="Where the engine finds the weights: a local folder of safetensors or "
+        "GGUF files (inside the pod, or on this machine for `distserve up`).",
+    )
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        default="auto",
+        description="Weight and KV dtype; auto is float16 on CUDA and float32 on the CPU.",
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=16, description="Longest prompt plus output accepted, in tokens."
+    )
+
+
+class SLOSpec(_Model):
+    """The latency objectives and how many requests must meet them."""
+
+    ttft_seconds: float = Field(gt=0, description="Time-to-first-token SLO in seconds.")
+    tpot_seconds: float = Field(gt=0, description="Time-per-output-token SLO in seconds.")
+    attainment: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="Share of requests that must meet the SLOs (0.9 = 90%).",
+    )
+    rule: Literal["both", "per-phase"] = Field(
+        default="both",
+        description="both: a request counts when it meets TTFT and TPOT; per-phase: the "
+        "attainment percentile of TTFT and of TPOT are checked separately.",
+    )
+
+
+class WorkloadSpec(_Model):
+    """The traffic the placement is planned for."""
+
+    dataset: Literal["chatbot", "code", "summarization"] = Field(
+        default="chatbot",
+        description="Length distribution: chatbot (ShareGPT), code (HumanEval) or "
+        "summarization (LongBench-like). Ignored when tracePath is set.",
+    )
+    trace_path: str | None = Field(
+        default=None,
+        description="A JSON Lines trace, one request a line: "
+        '{"arrival_s": float, "prompt_tokens": int, "output_tokens": int}.',
+    )
+    arrival: Literal["poisson", "gamma", "trace"] = Field(
+        default="poisson",
+        description="Arrival process: poisson, gamma (bursty, see cv) or trace (the trace's "
+        "own inter-arrival pattern scaled to each rate).",
+    )
+    cv: float = Field(
+        default=1.0, gt=0, description="Coefficient of variation of gamma inter-arrivals."
+    )
+    rate_rps: float | None = Field(
+        default=None,
+        gt=0,
+        description="Expected traffic in requests per second; instances are replicated "
+        "to serve it. Unset: one replica of the best configuration.",
+    )
+
+    @model_validator(mode="after")
+    def _trace_needs_path(self) -> WorkloadSpec:
+        if self.arrival == "trace" and not self.trace_path:
+            raise ValueError("arrival 'trace' needs workload.tracePath")
+        return self
+
+
+class ClusterSpec(_Model):
+    """The GPUs the placement may use."""
+
+    nodes: int | None = Field(
+        default=None, ge=1, description="Number of nodes; unset: read from the Node objects."
+    )
+    gpus_per_node: int | None = Field(
+        default=None, ge=1, le=16, description="GPUs per node; unset: read from the Nodes."
+    )
+    accelerator: str = Field(
+        default="A100-80GB",
+        description="GPU type: A100-80GB, H100-80GB, H200-141GB, L40S or CPU.",
+    )
+    node_affinity: Literal["low", "high"] = Field(
+        default="low",
+        description="low: slow links between nodes, so KV stays inside a node "
+        "(Algorithm 2); high: fast links (InfiniBand), instances anywhere (Algorithm 1).",
+    )
+    inter_node_bandwidth_gbps: float | None = Field(
+        default=None, gt=0, description="Network bandwidth between nodes in Gbit/s."
+    )
+    node_names: list[str] | None = Field(
+        default=None, description="Names of the nodes to place on, in order."
+    )
+
+
+class PlannerSpec(_Model):
+    """How the placement search runs."""
+
+    algorithm: Literal["auto", "high-affinity", "low-affinity"] = Field(
+        default="auto",
+        description="auto follows cluster.nodeAffinity; high-affinity is Algorithm 1, "
+        "low-affinity Algorithm 2.",
+    )
+    latency_model: Literal["auto", "profile", "analytic"] = Field(
+        default="auto",
+        description="profile: measured tables; analytic: the roofline model; auto: the "
+        "profile where it covers the model and GPU, the analytic model elsewhere.",
+    )
+    profile_path: str | None = Field(
+        default=None, description="A latency profile file in the a100-opt-profile format."
+    )
+    max_nodes_per_instance: int | None = Field(
+        default=None, ge=1, description="Most nodes one instance may span (default: all)."
+    )
+    num_requests: int = Field(
+        default=400, ge=50, le=100000, description="Requests simulated per trial."
+    )
+    seed: int = Field(default=0, ge=0, description="Seed of the sampled workloads.")
+    max_prefill_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Lm: prefill batches are filled up to this many tokens (default: the "
+        "length that saturates the GPU).",
+    )
+    max_decode_batch: int = Field(
+        default=256, ge=1, description="Most sequences in one decode batch."
+    )
+    chunk_size: int = Field(
+        default=512, ge=16, description="Chunk size of the chunked-prefill baseline."
+    )
+    workers: int | None = Field(
+        default=None, ge=1, description="Processes for the search (default: all cores)."
+    )
+
+
+class PhasePlacement(_Model):
+    """Parallelism and replica count of one phase."""
+
+    tp: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree.")
+    pp: int = Field(default=1, ge=1, le=64, description="Pipeline-parallel degree.")
+    instances: int = Field(default=1, ge=1, le=1024, description="Number of instances.")
+
+
+class PlacementSpec(_Model):
+    """A fixed placement that skips the search."""
+
+    prefill: PhasePlacement = Field(description="Prefill instances.")
+    decode: PhasePlacement = Field(description="Decode instances.")
+
+
+class EngineSpec(_Model):
+    """How the engine pods run."""
+
+    image: str = Field(default=DEFAULT_ENGINE_IMAGE, description="Engine container image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy of the engine pods."
+    )
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        default="auto", description="Where the engine runs; auto: CUDA when present."
+    )
+    block_size: int = Field(default=16, ge=1, le=256, description="KV cache block size.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Port of the OpenAI API.")
+    router_replicas: int = Field(default=1, ge=1, le=32, description="Router pods.")
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        default="ClusterIP", description="Type of the Service in front of the router."
+    )
+    resources: dict[str, Any] | None = Field(
+        default=None,
+        description="Extra container resources (cpu, memory); GPUs come from the plan.",
+    )
+    node_selector: dict[str, str] | None = Field(
+        default=None, description="Node selector added to every engine pod."
+    )
+    tolerations: list[dict[str, Any]] | None = Field(
+        default=None, description="Tolerations added to every engine pod."
+    )
+    env: list[dict[str, Any]] | None = Field(
+        default=None, description="Extra environment variables of the engine containers."
+    )
+
+
+class DistServeDeploymentSpec(_Model):
+    """What a user asks for: a model served within two SLOs on a cluster."""
+
+    model: ModelSpec = Field(description="The model to serve.")
+    slo: SLOSpec = Field(description="Latency objectives.")
+    workload: WorkloadSpec = Field(
+        default_factory=WorkloadSpec, description="Traffic to plan for."
+    )
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="GPUs to use.")
+    planner: PlannerSpec = Field(
+        default_factory=PlannerSpec, description="Placement search options."
+    )
+    placement: PlacementSpec | None = Field(
+        default=None, description="A fixed placement; when set the search is skipped."
+    )
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine pod options.")
+    auto_apply: bool = Field(
+        default=True,
+        description="Apply a new plan at once; false: wait for the annotation "
+        "distserve.io/approved-plan to name the plan's id.",
+    )
+
+
+class ObjectMeta(_Model):
+    """The part of Kubernetes metadata that the spec file carries."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    namespace: str | None = None
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
+class DistServeDeployment(_Model):
+    """The whole manifest, as `kubectl apply -f` and `distserve plan -f` read it."""
+
+    api_version: Literal["distserve.io/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["DistServeDeployment"]
+    metadata: ObjectMeta
+    spec: DistServeDeploymentSpec
+
+
+def _format_error(err: dict[str, Any], prefix: str) -> str:
+    """One line per problem: the dotted camelCase path, what was wrong, the value."""
+    loc = ".".join(str(part) for part in (prefix, *err["loc"]) if part != "")
+    value = err.get("input")
+    shown = "" if isinstance(value, dict) or value is None else f" (got {value!r})"
+    return f"{loc}: {err['msg']}{shown}"
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """Turn pydantic's report into lines that name each field and the expected value."""
+    return "\n".join(_format_error(e, prefix) for e in exc.errors(include_url=False))
+
+
+def parse_spec(spec: dict[str, Any]) -> DistServeDeploymentSpec:
+    """Validate the `spec` part of a resource (as the operator receives it)."""
+    try:
+        return DistServeDeploymentSpec.model_validate(spec)
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(exc, "spec")) from None
+
+
+def parse_manifest(doc: dict[str, Any]) -> DistServeDeployment:
+    """Validate a whole DistServeDeployment manifest."""
+    if not isinstance(doc, dict):
+        raise SpecError(f"manifest: expected a mapping, got {type(doc).__name__}")
+    try:
+        return DistServeDeployment.model_validate(doc)
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(exc)) from None
+
+
+def load_manifest(path: str | Path) -> DistServeDeployment:
+    """Read the DistServeDeployment from a YAML file (the first document of that kind)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"{path}: no such file")
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    for doc in docs:
+        if isinstance(doc, dict) and doc.get("kind") == KIND:
+            try:
+                return parse_manifest(doc)
+            except SpecError as exc:
+                raise SpecError(f"{path}:\n{exc}") from None
+    raise SpecError(f"{path}: no document of kind {KIND}")
+
+
+def dump_spec(spec: DistServeDeploymentSpec) -> dict[str, Any]:
+    """The spec as a user would write it (camelCase, defaults left out)."""
+    return spec.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
