@@ -49,9 +49,15 @@ def test_unknown_model_lists_known_names():
 
 def test_hf_config_with_gqa_is_read(tmp_path):
     config = {
-        "model_type": "mistral", "_name_or_path": "acme/tiny-gqa", "hidden_size": 1024,
-        "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
-        "intermediate_size": 2816, "vocab_size": 32000, "max_position_embeddings": 8192,
+        "model_type": "mistral",
+        "_name_or_path": "acme/tiny-gqa",
+        "hidden_size": 1024,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "intermediate_size": 2816,
+        "vocab_size": 32000,
+        "max_position_embeddings": 8192,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
     model = get_model(tmp_path)  # a folder holding config.json
@@ -63,9 +69,14 @@ def test_hf_config_with_gqa_is_read(tmp_path):
 
 def test_opt_config_matches_builtin(tmp_path):
     config = {
-        "model_type": "opt", "hidden_size": 5120, "num_hidden_layers": 40,
-        "num_attention_heads": 40, "ffn_dim": 20480, "vocab_size": 50272,
-        "max_position_embeddings": 2048, "_name_or_path": "facebook/opt-13b",
+        "model_type": "opt",
+        "hidden_size": 5120,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "ffn_dim": 20480,
+        "vocab_size": 50272,
+        "max_position_embeddings": 2048,
+        "_name_or_path": "facebook/opt-13b",
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
@@ -84,7 +95,9 @@ def test_known_models_include_aliases():
     assert "facebook/opt-66b" in names and "opt-66b" in names
 
 
-@pytest.mark.parametrize("name", ["A100", "a100-80gb", "H100", "h200", "L40S", "cpu", "nvidia_l40s"])
+@pytest.mark.parametrize(
+    "name", ["A100", "a100-80gb", "H100", "h200", "L40S", "cpu", "nvidia_l40s"]
+)
 def test_accelerator_aliases(name):
     assert get_accelerator(name).peak_flops > 0
 

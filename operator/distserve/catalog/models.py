@@ -87,20 +87,43 @@ class ModelArch:
 
 def _opt(name: str, layers: int, hidden: int, heads: int) -> ModelArch:
     return ModelArch(
-        name=name, architecture="opt", num_layers=layers, hidden_size=hidden,
-        num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
-        ffn_size=4 * hidden, vocab_size=50272, max_position=2048,
+        name=name,
+        architecture="opt",
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        ffn_size=4 * hidden,
+        vocab_size=50272,
+        max_position=2048,
     )
 
 
 def _llama(
-    name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int,
-    vocab: int, max_position: int, tie: bool = False,
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    vocab: int,
+    max_position: int,
+    tie: bool = False,
 ) -> ModelArch:
     return ModelArch(
-        name=name, architecture="llama", num_layers=layers, hidden_size=hidden,
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads, ffn_size=ffn,
-        vocab_size=vocab, max_position=max_position, gated_ffn=True, tie_word_embeddings=tie,
+        name=name,
+        architecture="llama",
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        ffn_size=ffn,
+        vocab_size=vocab,
+        max_position=max_position,
+        gated_ffn=True,
+        tie_word_embeddings=tie,
     )
 
 
@@ -185,9 +208,15 @@ def model_from_hf_config(path: str | Path) -> ModelArch:
 def _opt_from_config(name: str, config: dict) -> ModelArch:
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     return ModelArch(
-        name=name, architecture="opt", num_layers=int(config["num_hidden_layers"]),
-        hidden_size=hidden, num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
-        ffn_size=int(config["ffn_dim"]), vocab_size=int(config["vocab_size"]),
+        name=name,
+        architecture="opt",
+        num_layers=int(config["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        ffn_size=int(config["ffn_dim"]),
+        vocab_size=int(config["vocab_size"]),
         max_position=int(config.get("max_position_embeddings", 2048)),
     )
 
@@ -196,11 +225,16 @@ def _llama_from_config(name: str, config: dict) -> ModelArch:
     """Llama, Mistral, Qwen2 and other RoPE + SwiGLU decoders share these fields."""
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     return ModelArch(
-        name=name, architecture="llama", num_layers=int(config["num_hidden_layers"]),
-        hidden_size=hidden, num_heads=heads,
+        name=name,
+        architecture="llama",
+        num_layers=int(config["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         head_dim=int(config.get("head_dim") or hidden // heads),
-        ffn_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
-        max_position=int(config.get("max_position_embeddings", 4096)), gated_ffn=True,
+        ffn_size=int(config["intermediate_size"]),
+        vocab_size=int(config["vocab_size"]),
+        max_position=int(config.get("max_position_embeddings", 4096)),
+        gated_ffn=True,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
     )

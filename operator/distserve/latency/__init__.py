@@ -30,8 +30,14 @@ SATURATION_MAX_TOKENS = 16384
 
 
 def get_latency_model(
-    model: ModelArch | str, accelerator: Accelerator | str, tp: int, pp: int, *,
-    engine: str = "disaggregated", source: str = "auto", profile_path: str | Path | None = None,
+    model: ModelArch | str,
+    accelerator: Accelerator | str,
+    tp: int,
+    pp: int,
+    *,
+    engine: str = "disaggregated",
+    source: str = "auto",
+    profile_path: str | Path | None = None,
     enable_dispatch_overhead: bool = True,
 ) -> LatencyModel:
     """The latency model for this point.
@@ -52,7 +58,12 @@ def get_latency_model(
             fit = profile.fit_for(engine, model, tp)
         if fit is not None:
             return ProfileLatencyModel(
-                model, accelerator, tp, pp, fit, engine,
+                model,
+                accelerator,
+                tp,
+                pp,
+                fit,
+                engine,
                 enable_dispatch_overhead=enable_dispatch_overhead,
             )
         if source == "profile":

@@ -49,16 +49,25 @@ def _free_bytes_per_gpu(
 
 
 def weights_fit(
-    model: ModelArch | str, accelerator: Accelerator | str, tp: int, pp: int,
-    *, memory_utilization: float = 0.9,
+    model: ModelArch | str,
+    accelerator: Accelerator | str,
+    tp: int,
+    pp: int,
+    *,
+    memory_utilization: float = 0.9,
 ) -> bool:
     """Whether weights and the activation reserve fit with room for at least one KV block."""
     return kv_capacity_tokens(model, accelerator, tp, pp, memory_utilization=memory_utilization) > 0
 
 
 def kv_capacity_tokens(
-    model: ModelArch | str, accelerator: Accelerator | str, tp: int, pp: int,
-    *, memory_utilization: float = 0.9, profile: LatencyProfile | None = None,
+    model: ModelArch | str,
+    accelerator: Accelerator | str,
+    tp: int,
+    pp: int,
+    *,
+    memory_utilization: float = 0.9,
+    profile: LatencyProfile | None = None,
 ) -> int:
     """KV tokens an instance holds after weights and activations: 0 when they do not fit.
 

@@ -101,9 +101,10 @@ def _parse_fit(fit: dict, where: str) -> PhaseFit:
             large_batch_from=int(fit["large_batch_from"]),
         )
     except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{where}: expected prefill_abc, decode_small_batch_abc, "
-                         f"decode_large_batch_abc (three numbers each) and large_batch_from: {err}"
-                         ) from None
+        raise ValueError(
+            f"{where}: expected prefill_abc, decode_small_batch_abc, "
+            f"decode_large_batch_abc (three numbers each) and large_batch_from: {err}"
+        ) from None
 
 
 def _accelerator_of(doc: dict) -> str | None:
@@ -131,8 +132,15 @@ class ProfileLatencyModel:
     source = "profile"
 
     def __init__(
-        self, model: ModelArch, accelerator: Accelerator, tp: int, pp: int,
-        fit: PhaseFit, engine: str = "disaggregated", *, enable_dispatch_overhead: bool = True,
+        self,
+        model: ModelArch,
+        accelerator: Accelerator,
+        tp: int,
+        pp: int,
+        fit: PhaseFit,
+        engine: str = "disaggregated",
+        *,
+        enable_dispatch_overhead: bool = True,
     ) -> None:
         check_parallelism(model, tp, pp)
         self.model, self.accelerator, self.tp, self.pp = model, accelerator, tp, pp
