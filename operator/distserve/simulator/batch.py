@@ -1,0 +1,136 @@
+"""A continuous decode batch that steps in closed form between membership changes.
+
+Nothing about a decode batch changes between a request joining and a request leaving
+except that every context grows by one token per step, so the time of k steps is a
+sum of an arithmetic series. The batch therefore advances by whole runs of steps at
+once: to the next finish, or to the first iteration boundary after a newcomer is ready
+to join. This is what keeps a trial to a few events per request instead of one per
+generated token.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from distserve.simulator.timing import StageTimer
+
+
+class DecodeBatch:
+    """Requests decoding together on one pipeline lane.
+
+    Steps are counted per batch: a request that joins at step j with context c holds
+    c + (n - j) tokens at step n, so the total context is `offset + size * n`.
+    """
+
+    __slots__ = ("timer", "step", "time_s", "size", "offset", "_finish", "first_token_s")
+
+    def __init__(self, timer: StageTimer) -> None:
+        self.timer = timer
+        self.step = 0  # iteration boundaries passed so far
+        self.time_s = 0.0  # when the batch reached `step`
+        self.size = 0
+        self.offset = 0  # sum over members of (context at join - step at join)
+        self._finish: list[tuple[int, int, int]] = []  # heap of (finish step, rid, offset)
+        self.first_token_s: dict[int, float] = {}
+
+    def add(self, rid: int, context_tokens: int, steps_left: int, first_token_s: float) -> None:
+        """Join at the current boundary; the request leaves after steps_left steps."""
+        offset = context_tokens - self.step
+        heapq.heappush(self._finish, (self.step + steps_left, rid, offset))
+        self.offset += offset
+        self.size += 1
+        self.first_token_s[rid] = first_token_s
+
+    def total_context(self) -> int:
+        """Tokens of KV the batch reads at the current step."""
+        return self.offset + self.size * self.step
+
+    def steps_to_next_finish(self) -> int:
+        """Steps until the earliest member finishes (the batch must not be empty)."""
+        return self._finish[0][0] - self.step
+
+    def duration_s(self, num_steps: int) -> float:
+        """Seconds for the next num_steps iterations at the current membership."""
+        alpha, slope = self.timer.decode_line(self.size)
+        first = alpha + slope * self.total_context()
+        return num_steps * first + slope * self.size * num_steps * (num_steps - 1) / 2
+
+    def steps_by(self, elapsed_s: float) -> int:
+        """The fewest steps whose duration reaches elapsed_s (the boundary at or after it)."""
+        if elapsed_s <= 0:
+            return 0
+        alpha, slope = self.timer.decode_line(self.size)
+        first = alpha + slope * self.total_context()
+        growth = slope * self.size  # each step is this much longer than the one before
+        if growth <= 0:
+            steps = math.ceil(elapsed_s / first)
+        else:
+            b = first - growth / 2
+            steps = math.ceil((-b + math.sqrt(b * b + 2 * growth * elapsed_s)) / growth)
+        while steps > 0 and self.duration_s(steps - 1) >= elapsed_s:  # float guard
+            steps -= 1
+        while self.duration_s(steps) < elapsed_s:
+            steps += 1
+        return steps
+
+    def advance(self, num_steps: int, time_s: float) -> list[tuple[int, float]]:
+        """Move num_steps iterations on, to time_s; return (rid, first token time) of the
+        requests that finished."""
+        self.step += num_steps
+        self.time_s = time_s
+        done = []
+        finish = self._finish
+        while finish and finish[0][0] <= self.step:
+            _, rid, offset = heapq.heappop(finish)
+            self.offset -= offset
+            self.size -= 1
+            done.append((rid, self.first_token_s.pop(rid)))
+        return done
+
+
+class DecodeRun:
+    """Runs of decode steps of one batch on the event loop, each cut short on demand.
+
+    `start()` schedules the run up to the next finish; `cut_short()` moves its end to
+    the first iteration boundary at or after now (a newcomer is waiting); when a run
+    ends, `on_boundary(finished)` is called with the (rid, first token time) of the
+    requests that left, and decides what the lane does next.
+    """
+
+    __slots__ = ("loop", "batch", "on_boundary", "is_stepping", "target_step", "version")
+
+    def __init__(self, loop, timer: StageTimer, on_boundary) -> None:
+        self.loop = loop
+        self.batch = DecodeBatch(timer)
+        self.on_boundary = on_boundary
+        self.is_stepping = False
+        self.target_step = 0
+        self.version = 0  # bumped to cancel a scheduled run end
+
+    def start(self) -> None:
+        """Step from now (the batch must not be empty) to the next finish."""
+        batch = self.batch
+        batch.time_s = self.loop.now
+        steps = batch.steps_to_next_finish()
+        self._end_at(batch.step + steps, batch.time_s + batch.duration_s(steps))
+
+    def cut_short(self) -> None:
+        """End the current run at the first boundary at or after now."""
+        batch = self.batch
+        steps = batch.steps_by(self.loop.now - batch.time_s)
+        if batch.step + steps < self.target_step:
+            self._end_at(batch.step + steps, batch.time_s + batch.duration_s(steps))
+
+    def _end_at(self, target_step: int, time_s: float) -> None:
+        self.is_stepping = True
+        self.target_step = target_step
+        self.version += 1
+        self.loop.at(time_s, self._end, self.version)
+
+    def _end(self, version: int) -> None:
+        if version != self.version:
+            return  # cut short or superseded
+        self.is_stepping = False
+        batch = self.batch
+        self.on_boundary(batch.advance(self.target_step - batch.step, self.loop.now))

@@ -1,0 +1,194 @@
+"""The baselines in simulation: prefill and decode sharing the same GPUs.
+
+Two iteration policies on the same instance model, both with continuous batching:
+- colocated (vLLM-style): at each iteration boundary, if a waiting prompt can be
+  admitted, run a prefill iteration of waiting prompts (up to `max_batch_tokens`)
+  while every running decode waits; otherwise run decode steps;
+- chunked prefill (Sarathi / DeepSpeed-MII-style): each iteration takes up to
+  `chunk_size` prompt tokens, FCFS, a prompt possibly spread over several iterations,
+  and piggybacks one decode step of every running request on it.
+A new request goes to the instance with the shortest waiting queue. An instance with
+pp stages runs pp lanes (micro-batches) that share its KV memory. A request is
+admitted only when its final context fits (no preemption), as in the decode
+instances of the disaggregated simulator.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from distserve.simulator.batch import DecodeRun
+from distserve.simulator.events import EventLoop
+from distserve.simulator.results import SLO, Recorder, SimResult, Trace
+from distserve.simulator.timing import InstanceModel
+
+
+class _Instance:
+    """KV memory and batch-size bound shared by an instance's lanes."""
+
+    def __init__(self, sim, inst: InstanceModel, max_batch: int, chunk_size: int | None):
+        self.sim, self.inst, self.max_batch = sim, inst, max_batch
+        self.reserved_tokens = 0
+        self.count = 0
+        self.lanes = [_Lane(sim, self, chunk_size) for _ in range(inst.pp)]
+
+    def waiting(self) -> int:
+        return sum(len(lane.waiting) for lane in self.lanes)
+
+    def can_admit(self, rid: int) -> bool:
+        need = self.sim.prompt[rid] + self.sim.output[rid]
+        return (
+            self.count < self.max_batch
+            and self.reserved_tokens + need <= self.inst.kv_capacity_tokens
+        )
+
+    def admit(self, rid: int) -> None:
+        self.reserved_tokens += self.sim.prompt[rid] + self.sim.output[rid]
+        self.count += 1
+
+    def release(self, rid: int, from_lane: _Lane) -> None:
+        self.reserved_tokens -= self.sim.prompt[rid] + self.sim.output[rid]
+        self.count -= 1
+        for lane in self.lanes:  # another lane idle for lack of memory may go on now
+            if lane is not from_lane and lane.is_idle() and lane.waiting:
+                lane.boundary([])
+
+
+class _Lane:
+    """One micro-batch: a waiting queue, prompts in prefill, and a decode batch."""
+
+    def __init__(self, sim, instance: _Instance, chunk_size: int | None) -> None:
+        self.sim, self.instance, self.chunk_size = sim, instance, chunk_size
+        self.timer = instance.inst.timer
+        self.run = DecodeRun(sim.loop, self.timer, self.boundary)
+        self.waiting: deque[int] = deque()
+        self.prefilling: list[list[int]] = []  # [rid, tokens prefilled] (chunked only)
+        self.is_busy = False  # a prefill or mixed iteration is running
+
+    def is_idle(self) -> bool:
+        return not self.is_busy and not self.run.is_stepping
+
+    def enqueue(self, rid: int) -> None:
+        self.waiting.append(rid)
+        if self.run.is_stepping:
+            self.run.cut_short()  # prefill goes first at the next boundary
+        elif not self.is_busy:
+            self.boundary([])
+
+    def boundary(self, finished: list[tuple[int, float]]) -> None:
+        """Record what finished, then choose the next iteration."""
+        now = self.sim.loop.now
+        for rid, first_s in finished:
+            self.sim.rec.finish(rid, now, first_s)
+            self.instance.release(rid, self)
+        if self.chunk_size is None:
+            self._start_prefill(now)
+        else:
+            self._start_mixed(now)
+        if not self.is_busy and self.run.batch.size:
+            self.run.start()
+
+    def _admit_waiting(self, budget_tokens: int) -> list[int]:
+        """Admit waiting prompts FCFS while memory, batch size and token budget allow."""
+        prompt, admitted, total = self.sim.prompt, [], 0
+        if budget_tokens <= 0:
+            return admitted
+        while self.waiting and self.instance.can_admit(self.waiting[0]):
+            tokens = prompt[self.waiting[0]]
+            if admitted and total + tokens > budget_tokens:
+                break
+            rid = self.waiting.popleft()
+            self.instance.admit(rid)
+            admitted.append(rid)
+            total += tokens
+            if total >= budget_tokens:
+                break
+        return admitted
+
+    def _start_prefill(self, now: float) -> None:
+        rids = self._admit_waiting(self.sim.max_batch_tokens)
+        if rids:
+            seconds = self.timer.prefill_iteration_s(tuple(self.sim.prompt[r] for r in rids))
+            self.is_busy = True
+            self.sim.loop.at(now + seconds, self._prefill_end, rids)
+
+    def _prefill_end(self, rids: list[int]) -> None:
+        self.is_busy = False
+        self.run.batch.time_s = self.sim.loop.now  # decodes stood still meanwhile
+        self._first_tokens(rids)
+        self.boundary([])
+
+    def _start_mixed(self, now: float) -> None:
+        budget = self.chunk_size
+        in_progress = sum(self.sim.prompt[rid] - done for rid, done in self.prefilling)
+        for rid in self._admit_waiting(budget - in_progress):
+            self.prefilling.append([rid, 0])
+        chunks, completed = [], []
+        for entry in self.prefilling:
+            if budget <= 0:
+                break
+            rid, done = entry
+            take = min(budget, self.sim.prompt[rid] - done)
+            chunks.append((take, done))
+            entry[1] += take
+            budget -= take
+            if entry[1] == self.sim.prompt[rid]:
+                completed.append(rid)
+        if not chunks:
+            return
+        self.prefilling = [e for e in self.prefilling if e[1] < self.sim.prompt[e[0]]]
+        batch = self.run.batch
+        seconds = self.timer.mixed_iteration_s(chunks, batch.size, batch.total_context())
+        self.is_busy = True
+        self.sim.loop.at(now + seconds, self._mixed_end, completed)
+
+    def _mixed_end(self, completed: list[int]) -> None:
+        self.is_busy = False
+        finished = self.run.batch.advance(1, self.sim.loop.now)  # the piggybacked step
+        self._first_tokens(completed)
+        self.boundary(finished)
+
+    def _first_tokens(self, rids: list[int]) -> None:
+        sim, now, batch = self.sim, self.sim.loop.now, self.run.batch
+        for rid in rids:
+            sim.rec.first_token(rid, now)
+            if sim.output[rid] == 1:
+                sim.rec.finish(rid, now, now)
+                self.instance.release(rid, self)
+            else:
+                batch.add(rid, sim.prompt[rid] + 1, sim.output[rid] - 1, now)
+
+
+class _Sim:
+    def __init__(self, trace: Trace, slo: SLO | None, max_batch_tokens: int) -> None:
+        self.loop = EventLoop()
+        self.rec = Recorder(trace, slo, self.loop)
+        self.prompt = trace.prompt_tokens.tolist()
+        self.output = trace.output_tokens.tolist()
+        self.max_batch_tokens = max_batch_tokens
+        self.instances: list[_Instance] = []
+
+    def arrive(self, rid: int) -> None:
+        instance = min(self.instances, key=lambda i: i.waiting())
+        min(instance.lanes, key=lambda lane: len(lane.waiting) + lane.run.batch.size).enqueue(rid)
+
+
+def simulate_colocated(
+    trace: Trace,
+    instances: Sequence[InstanceModel],
+    *,
+    slo: SLO | None = None,
+    chunk_size: int | None = None,
+    max_batch_tokens: int = 2048,
+    max_batch: int = 256,
+) -> SimResult:
+    """Run one trial of the colocated engine: vLLM-style with chunk_size None, chunked
+    prefill with piggybacked decodes otherwise. Timers should come from the colocated
+    latency model. With `slo`, the trial stops once the target is out of reach."""
+    sim = _Sim(trace, slo, max_batch_tokens)
+    sim.instances = [_Instance(sim, m, max_batch, chunk_size) for m in instances]
+    for rid, arrival_s in enumerate(trace.arrival_s.tolist()):
+        sim.loop.at(arrival_s, sim.arrive, rid)
+    sim.loop.run()
+    return sim.rec.result()
