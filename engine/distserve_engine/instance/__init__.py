@@ -1,0 +1,1 @@
+"""Serving instances: prefill, decode and colocated loops around one model runner."""

@@ -1,0 +1,142 @@
+"""The colocated instance: the baseline that runs both phases on one runner.
+
+Continuous batching as in vLLM (and the paper's baseline): each iteration either
+prefills a batch of waiting requests (FCFS, up to `max_prefill_tokens`, prefill first
+so new requests start soon) or runs one decode step for every running request. A
+prefill therefore stalls every running request for its whole duration: the
+interference DistServe removes. Admission reserves KV like the decode instance.
+# NOTE: chunked prefill (Sarathi) would need the runner to prefill part of a prompt
+# onto KV it already holds; the runner's `prefill` takes whole prompts, so this baseline
+# has no chunked mode (the simulator models it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from distserve_engine.instance.batch import Admission, DecodeBatch, Running
+from distserve_engine.instance.loop import InstanceLoop, Sink
+from distserve_engine.request import InstanceLoad, ServeRequest, TokenEvent, now_s
+from distserve_engine.sequence import Sequence
+
+
+@dataclass
+class _Waiting:
+    request: ServeRequest
+    sink: Sink
+    queued_s: float
+
+
+class ColocatedInstance(InstanceLoop):
+    """Prefill and decode of the same requests on one runner, prefill first."""
+
+    role = "colocated"
+
+    def __init__(
+        self, name: str, runner: Any, stopper: Any, max_prefill_tokens: int, max_batch_size: int
+    ) -> None:
+        super().__init__(name, runner)
+        self.stopper = stopper
+        self.max_prefill_tokens = max_prefill_tokens
+        self.batch = DecodeBatch(runner, stopper)
+        self.admission = Admission(
+            num_blocks=runner.block_manager.num_blocks,
+            block_size=runner.block_manager.block_size,
+            max_batch_size=max_batch_size,
+        )
+        self._waiting: deque[_Waiting] = deque()
+
+    def submit(self, request: ServeRequest, sink: Sink) -> None:
+        """Queue a request; `sink` receives all its TokenEvents, the first token included."""
+        if not self.is_healthy:
+            sink(TokenEvent(request.request_id, [], now_s(), error=self.error or "stopped"))
+            return
+        queued_s = now_s()
+        self.post(lambda: self._waiting.append(_Waiting(request, sink, queued_s)))
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request wherever it is and free its KV."""
+        self.post(lambda: self._cancel(request_id))
+
+    def step(self) -> None:
+        """Prefill the waiting requests that fit, else decode one token for all."""
+        batch = self._schedule()
+        if batch:
+            self._prefill(batch)
+        elif len(self.batch):
+            for item in self.batch.step():
+                self.admission.release(item.request.request_id)
+
+    def _schedule(self) -> list[_Waiting]:
+        batch: list[_Waiting] = []
+        num_tokens = 0
+        for item in self._waiting:
+            n = item.request.num_prompt_tokens
+            if batch and num_tokens + n > self.max_prefill_tokens:
+                break
+            if not self.admission.can_admit(item.request):
+                break
+            self.admission.admit(item.request)
+            batch.append(item)
+            num_tokens += n
+        for _ in batch:
+            self._waiting.popleft()
+        return batch
+
+    def _prefill(self, batch: list[_Waiting]) -> None:
+        started_s = now_s()
+        seqs = [Sequence(w.request.request_id, w.request.prompt_token_ids, w.request.params) for w in batch]
+        self.runner.prefill(seqs)
+        time_s = now_s()
+        for item, seq in zip(batch, seqs, strict=True):
+            running = Running(
+                request=item.request,
+                seq=seq,
+                sink=item.sink,
+                reserved_blocks=self.admission.blocks_for(item.request),
+                queued_s=item.queued_s,
+                started_s=started_s,
+            )
+            self.batch.add(running)
+            reason = self.stopper.check(seq)
+            self.batch.emit(running, [seq.output_token_ids[-1]], reason, time_s)
+            if reason is not None:
+                self.batch.remove(item.request.request_id)
+                self.admission.release(item.request.request_id)
+
+    def _has_work(self) -> bool:
+        can_prefill = bool(self._waiting) and self.admission.can_admit(self._waiting[0].request)
+        return bool(len(self.batch) or can_prefill)
+
+    def _cancel(self, request_id: str) -> None:
+        for item in list(self._waiting):
+            if item.request.request_id == request_id:
+                self._waiting.remove(item)
+                item.sink(TokenEvent(request_id, [], now_s(), finish_reason="abort"))
+        running = self.batch.remove(request_id)
+        if running is not None:
+            self.admission.release(request_id)
+            running.sink(TokenEvent(request_id, [], now_s(), finish_reason="abort"))
+
+    def _fail_all(self, error: str) -> None:
+        for item in self.batch.fail_all(error):
+            self.admission.release(item.request.request_id)
+        while self._waiting:
+            item = self._waiting.popleft()
+            item.sink(TokenEvent(item.request.request_id, [], now_s(), error=error))
+
+    def load(self) -> InstanceLoad:
+        """Waiting queue, running batch, promised KV."""
+        waiting = list(self._waiting)
+        return InstanceLoad(
+            instance=self.name,
+            role=self.role,
+            num_waiting=len(waiting),
+            num_waiting_tokens=sum(w.request.num_prompt_tokens for w in waiting),
+            num_running=len(self.batch),
+            kv_usage=self.admission.usage,
+            is_healthy=self.is_healthy,
+            error=self.error,
+        )

@@ -1,0 +1,172 @@
+"""The decode instance: continuous batching, and KV pulled only when there is room.
+
+DistServe section 4.3: a prefilled request waits here (as a `KVHandle`, its KV still on
+the prefill instance) until this instance can promise it the KV blocks it will need and
+a place in the batch. Only then is its KV pulled. The pull runs on a transfer thread
+while the engine thread keeps stepping the batch; the finished blob is written into the
+cache between two steps, and the request joins the batch at the next one. So a burst of
+prefilled requests waits in prefill memory (back-pressure) and never stalls decoding.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from distserve_engine.instance.batch import Admission, DecodeBatch, Running
+from distserve_engine.instance.loop import InstanceLoop, Sink
+from distserve_engine.kv_cache import KVBlob
+from distserve_engine.request import (
+    InstanceLoad,
+    PrefillOutput,
+    ServeRequest,
+    TokenEvent,
+    TransferStats,
+    now_s,
+)
+from distserve_engine.sequence import Sequence
+
+NUM_TRANSFER_THREADS = 2  # concurrent pulls; more would only share the same link
+
+
+@dataclass
+class _Incoming:
+    request: ServeRequest
+    prefill: PrefillOutput
+    sink: Sink
+    queued_s: float
+    is_cancelled: bool = False
+
+
+class DecodeInstance(InstanceLoop):
+    """Decodes prefilled requests in one continuous batch; pulls KV with back-pressure."""
+
+    role = "decode"
+
+    def __init__(self, name: str, runner: Any, stopper: Any, fetcher: Any, max_batch_size: int) -> None:
+        super().__init__(name, runner)
+        self.fetcher = fetcher  # .fetch(KVHandle) -> (KVBlob, TransferStats), blocking
+        self.batch = DecodeBatch(runner, stopper)
+        self.admission = Admission(
+            num_blocks=runner.block_manager.num_blocks,
+            block_size=runner.block_manager.block_size,
+            max_batch_size=max_batch_size,
+        )
+        self._pending: deque[_Incoming] = deque()  # prefilled, KV not pulled yet
+        self._pulling: dict[str, _Incoming] = {}
+        self._ready: deque[tuple[_Incoming, KVBlob, TransferStats]] = deque()
+        self._pool = ThreadPoolExecutor(NUM_TRANSFER_THREADS, thread_name_prefix=f"pull-{name}")
+
+    def submit(self, request: ServeRequest, prefill: PrefillOutput, sink: Sink) -> None:
+        """Queue a prefilled request; `sink` receives its TokenEvents."""
+        if not self.is_healthy:
+            sink(TokenEvent(request.request_id, [], now_s(), error=self.error or "stopped"))
+            return
+        incoming = _Incoming(request, prefill, sink, now_s())
+        self.post(lambda: self._pending.append(incoming))
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request wherever it is and free its KV."""
+        self.post(lambda: self._cancel(request_id))
+
+    def stop(self) -> None:
+        """Stop the engine thread and the transfer threads."""
+        super().stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def step(self) -> None:
+        """Start the pulls that fit, import finished ones, decode one token for all."""
+        self._start_pulls()
+        self._import_ready()
+        if len(self.batch):
+            for item in self.batch.step():
+                self.admission.release(item.request.request_id)
+
+    def _start_pulls(self) -> None:
+        while self._pending and self.admission.can_admit(self._pending[0].request):
+            incoming = self._pending.popleft()
+            self.admission.admit(incoming.request)
+            self._pulling[incoming.request.request_id] = incoming
+            self._pool.submit(self._pull, incoming)
+
+    def _pull(self, incoming: _Incoming) -> None:
+        """Transfer thread: fetch the KV, then hand it to the engine thread."""
+        try:
+            blob, stats = self.fetcher.fetch(incoming.prefill.kv)
+        except Exception as exc:  # noqa: BLE001 - reported to the request, not raised
+            error = f"KV pull from {incoming.prefill.instance} failed: {exc}"
+            self.post(lambda: self._pull_failed(incoming, error))
+            return
+        self.post(lambda: self._ready.append((incoming, blob, stats)))
+
+    def _pull_failed(self, incoming: _Incoming, error: str) -> None:
+        rid = incoming.request.request_id
+        self._pulling.pop(rid, None)
+        self.admission.release(rid)
+        if not incoming.is_cancelled:
+            incoming.sink(TokenEvent(rid, [], now_s(), error=error))
+
+    def _import_ready(self) -> None:
+        while self._ready:
+            incoming, blob, stats = self._ready.popleft()
+            rid = incoming.request.request_id
+            self._pulling.pop(rid, None)
+            if incoming.is_cancelled:
+                self.admission.release(rid)
+                continue
+            seq = Sequence(rid, incoming.request.prompt_token_ids, incoming.request.params)
+            seq.output_token_ids.append(incoming.prefill.first_token_id)
+            self.runner.import_kv(seq, blob)
+            self.batch.add(
+                Running(
+                    request=incoming.request,
+                    seq=seq,
+                    sink=incoming.sink,
+                    reserved_blocks=self.admission.blocks_for(incoming.request),
+                    queued_s=incoming.queued_s,
+                    started_s=now_s(),
+                    transfer=stats,
+                )
+            )
+
+    def _has_work(self) -> bool:
+        can_pull = bool(self._pending) and self.admission.can_admit(self._pending[0].request)
+        return bool(len(self.batch) or self._ready or can_pull)
+
+    def _cancel(self, request_id: str) -> None:
+        for incoming in list(self._pending):
+            if incoming.request.request_id == request_id:
+                self._pending.remove(incoming)
+                incoming.sink(TokenEvent(request_id, [], now_s(), finish_reason="abort"))
+        if request_id in self._pulling:
+            self._pulling[request_id].is_cancelled = True
+        item = self.batch.remove(request_id)
+        if item is not None:
+            self.admission.release(request_id)
+            item.sink(TokenEvent(request_id, [], now_s(), finish_reason="abort"))
+
+    def _fail_all(self, error: str) -> None:
+        for item in self.batch.fail_all(error):
+            self.admission.release(item.request.request_id)
+        waiting = [*self._pending, *self._pulling.values(), *(r[0] for r in self._ready)]
+        self._pending.clear()
+        self._ready.clear()
+        for incoming in waiting:
+            incoming.is_cancelled = True
+            incoming.sink(TokenEvent(incoming.request.request_id, [], now_s(), error=error))
+
+    def load(self) -> InstanceLoad:
+        """Pending pulls, running batch, promised KV."""
+        pending = list(self._pending)
+        return InstanceLoad(
+            instance=self.name,
+            role=self.role,
+            num_waiting=len(pending) + len(self._pulling),
+            num_waiting_tokens=sum(p.request.num_prompt_tokens for p in pending),
+            num_running=len(self.batch),
+            kv_usage=self.admission.usage,
+            is_healthy=self.is_healthy,
+            error=self.error,
+        )

@@ -1,0 +1,122 @@
+"""The engine thread every instance runs, and how other threads talk to it.
+
+An instance owns one model runner, and only its engine thread touches the runner's
+batches and the instance's queues. Other threads (the HTTP server, a KV transfer, the
+router in the same process) never change that state directly: they `post` a command
+that the engine thread runs between two batches. So the instance classes need no
+locks, and a batch is never stalled by a caller. When a batch raises, the instance is
+dead: every request it holds gets an error event at once and new ones are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from distserve_engine.request import InstanceLoad
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[Any], None]  # receives PrefillOutput / TokenEvent, on the engine thread
+
+
+class InstanceLoop:
+    """A thread running `step()` while there is work, and commands posted to it."""
+
+    role = "instance"
+
+    def __init__(self, name: str, runner: Any) -> None:
+        self.name = name
+        self.runner = runner
+        self.error: str | None = None  # set when the instance died
+        self._wake = threading.Condition()
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._is_stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once a batch failed or the instance was stopped."""
+        return self.error is None and not self._is_stopping
+
+    def start(self) -> InstanceLoop:
+        """Start the engine thread."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Finish the current batch, abort every request, end the thread."""
+        self.post(lambda: self._fail_all("instance stopped"))
+        with self._wake:
+            self._is_stopping = True
+            self._wake.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+
+    def post(self, command: Callable[[], None]) -> None:
+        """Run `command` on the engine thread before its next batch."""
+        with self._wake:
+            self._inbox.append(command)
+            self._wake.notify()
+
+    def kill(self, reason: str) -> None:
+        """Make the instance fail as if its batch had raised (fault injection, tests)."""
+        self.post(lambda: self._die(RuntimeError(reason)))
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._inbox and not self._is_stopping and not self._has_work():
+                    self._wake.wait()
+                commands = list(self._inbox)
+                self._inbox.clear()
+                is_stopping = self._is_stopping
+            try:
+                for command in commands:
+                    command()
+                if is_stopping:
+                    return
+                if self.error is None and self._has_work():
+                    self.step()
+            except Exception as exc:  # a dead batch must not hang its requests
+                self._die(exc)
+            if self.error is not None:
+                self._drain_after_death()
+                return
+
+    def _die(self, exc: BaseException) -> None:
+        log.exception("instance %s died", self.name, exc_info=exc)
+        self.error = f"instance {self.name} failed: {exc}"
+        self._fail_all(self.error)
+
+    def _drain_after_death(self) -> None:
+        """Answer commands posted after death (submits get an error from their own check)."""
+        with self._wake:
+            commands = list(self._inbox)
+            self._inbox.clear()
+        for command in commands:
+            try:
+                command()
+            except Exception:  # noqa: BLE001 - the instance is already dead
+                log.debug("command after death failed", exc_info=True)
+        self._fail_all(self.error or "instance dead")
+
+    # Subclasses implement these four.
+    def step(self) -> None:
+        """Run one batch."""
+        raise NotImplementedError
+
+    def _has_work(self) -> bool:
+        """True when `step()` can make progress now."""
+        raise NotImplementedError
+
+    def _fail_all(self, error: str) -> None:
+        """Send an error event to every request the instance holds and forget them."""
+        raise NotImplementedError
+
+    def load(self) -> InstanceLoad:
+        """A snapshot of queue lengths and KV usage (read from any thread)."""
+        raise NotImplementedError

@@ -1,0 +1,181 @@
+"""The prefill instance: FCFS batches up to Lm tokens, first token, KV held until pulled.
+
+DistServe section 4.3: requests are prefilled first come, first served; a batch takes
+prompts from the head of the queue while their tokens stay within `max_prefill_tokens`
+(Lm, the length that saturates the device), and a longer prompt runs alone. After the
+batch, each request's KV stays in this instance's cache until a decode instance pulls
+it (`take_kv`): the prefill instance's memory is the queue between the phases. When
+that memory is full, the head of the queue waits for a pull (back-pressure) instead of
+pushing KV onto a decode instance that has no room.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from distserve_engine.instance.loop import InstanceLoop, Sink
+from distserve_engine.kv_cache import KVBlob
+from distserve_engine.request import (
+    InstanceLoad,
+    KVHandle,
+    PrefillOutput,
+    ServeRequest,
+    TokenEvent,
+    now_s,
+)
+from distserve_engine.sequence import Sequence
+
+
+@dataclass
+class _Waiting:
+    request: ServeRequest
+    sink: Sink
+    queued_s: float
+
+
+class PrefillInstance(InstanceLoop):
+    """FCFS prefill batches; KV kept per request until a decode instance takes it."""
+
+    role = "prefill"
+
+    def __init__(
+        self, name: str, runner: Any, stopper: Any, max_prefill_tokens: int, url: str = ""
+    ) -> None:
+        super().__init__(name, runner)
+        self.stopper = stopper
+        self.max_prefill_tokens = max_prefill_tokens  # Lm
+        self.url = url  # where decode instances reach `take_kv` over HTTP
+        self._waiting: deque[_Waiting] = deque()
+        self._held: dict[str, Sequence] = {}
+        self._held_lock = threading.Lock()  # `take_kv` runs on transfer threads
+
+    def submit(self, request: ServeRequest, sink: Sink) -> None:
+        """Queue a request; `sink` later receives one PrefillOutput or an error event."""
+        if not self.is_healthy:
+            sink(TokenEvent(request.request_id, [], now_s(), error=self.error or "stopped"))
+            return
+        queued_s = now_s()
+        self.post(lambda: self._waiting.append(_Waiting(request, sink, queued_s)))
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a waiting request or free a held one's KV (client gone)."""
+        self.post(lambda: self._cancel(request_id))
+
+    def take_kv(self, request_id: str) -> KVBlob:
+        """Copy out a held request's KV and free its blocks; KeyError when not held."""
+        with self._held_lock:
+            seq = self._held.pop(request_id)
+        blob = self.runner.export_kv(seq)
+        # NOTE: blocks are freed on the engine thread, between batches, so the free
+        # list never changes under a running prefill.
+        self.post(lambda: self.runner.free(seq))
+        return blob
+
+    def step(self) -> None:
+        """Prefill the next FCFS batch; hold each request's KV for its decode pull."""
+        batch = self._schedule()
+        started_s = now_s()
+        seqs = [Sequence(w.request.request_id, w.request.prompt_token_ids, w.request.params) for w in batch]
+        self.runner.prefill(seqs)
+        finished_s = now_s()
+        for item, seq in zip(batch, seqs, strict=True):
+            reason = self.stopper.check(seq)
+            handle = None
+            if reason is None:
+                with self._held_lock:
+                    self._held[seq.seq_id] = seq
+                handle = KVHandle(
+                    request_id=item.request.request_id,
+                    instance=self.name,
+                    url=self.url,
+                    num_tokens=seq.num_prompt_tokens,
+                    nbytes=self._kv_nbytes(seq.num_prompt_tokens),
+                )
+            else:
+                self.runner.free(seq)
+            item.sink(
+                PrefillOutput(
+                    request_id=item.request.request_id,
+                    first_token_id=seq.output_token_ids[-1],
+                    finish_reason=reason,
+                    kv=handle,
+                    queued_s=item.queued_s,
+                    started_s=started_s,
+                    finished_s=finished_s,
+                    instance=self.name,
+                )
+            )
+
+    def _schedule(self) -> list[_Waiting]:
+        """Head of the queue while tokens stay within Lm and the KV fits."""
+        batch: list[_Waiting] = []
+        num_tokens = 0
+        num_blocks = 0
+        free_blocks = self.runner.block_manager.num_free_blocks
+        for item in self._waiting:
+            n = item.request.num_prompt_tokens
+            blocks = self._blocks_for(n)
+            if batch and num_tokens + n > self.max_prefill_tokens:
+                break
+            if num_blocks + blocks > free_blocks or len(batch) >= self.runner.config.max_num_seqs:
+                break
+            batch.append(item)
+            num_tokens += n
+            num_blocks += blocks
+        for _ in batch:
+            self._waiting.popleft()
+        return batch
+
+    def _blocks_for(self, num_prompt_tokens: int) -> int:
+        # +1: the runner may give the first generated token its slot already.
+        return self.runner.block_manager.num_blocks_for(num_prompt_tokens + 1)
+
+    def _kv_nbytes(self, num_tokens: int) -> int:
+        cache = self.runner.kv_cache
+        return cache.shape.bytes_per_block * num_tokens // cache.shape.block_size
+
+    def _has_work(self) -> bool:
+        if not self._waiting:
+            return False
+        head = self._waiting[0].request.num_prompt_tokens
+        return self._blocks_for(head) <= self.runner.block_manager.num_free_blocks
+
+    def _cancel(self, request_id: str) -> None:
+        for item in list(self._waiting):
+            if item.request.request_id == request_id:
+                self._waiting.remove(item)
+                item.sink(TokenEvent(request_id, [], now_s(), finish_reason="abort"))
+        with self._held_lock:
+            seq = self._held.pop(request_id, None)
+        if seq is not None:
+            self.runner.free(seq)
+
+    def _fail_all(self, error: str) -> None:
+        while self._waiting:
+            item = self._waiting.popleft()
+            item.sink(TokenEvent(item.request.request_id, [], now_s(), error=error))
+        with self._held_lock:
+            held = list(self._held.values())
+            self._held.clear()
+        for seq in held:
+            try:
+                self.runner.free(seq)
+            except Exception:  # noqa: BLE001 - a broken runner must not stop the cleanup
+                pass
+
+    def load(self) -> InstanceLoad:
+        """Queue length in requests and tokens, held KV, cache usage."""
+        waiting = list(self._waiting)
+        return InstanceLoad(
+            instance=self.name,
+            role=self.role,
+            num_waiting=len(waiting),
+            num_waiting_tokens=sum(w.request.num_prompt_tokens for w in waiting),
+            num_held=len(self._held),
+            kv_usage=self.runner.block_manager.usage,
+            is_healthy=self.is_healthy,
+            error=self.error,
+        )

@@ -1,0 +1,104 @@
+"""The paged KV cache tensors, their size from a memory budget, and export/import.
+
+Layout: one K and one V tensor per instance, (num_layers, num_blocks, block_size,
+num_kv_heads, head_dim). A block holds `block_size` consecutive tokens of one sequence
+for every layer, so moving a sequence means moving whole blocks. `export` packs a
+sequence's blocks into contiguous tensors; `import_` writes them into other block ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from distserve_engine.errors import KVBudgetError
+
+
+@dataclass
+class KVBlob:
+    """One sequence's KV, contiguous and independent of any block ids."""
+
+    k: torch.Tensor  # (num_layers, num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor  # (num_layers, num_tokens, num_kv_heads, head_dim)
+    num_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K plus V."""
+        return self.k.nbytes + self.v.nbytes
+
+
+@dataclass
+class KVCacheShape:
+    """Per-rank shape of the cache: the layers and KV heads this rank holds."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of K plus V for one block over all local layers."""
+        elements = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+        return elements * self.dtype.itemsize
+
+
+def num_blocks_for_budget(shape: KVCacheShape, kv_cache_bytes: int, max_model_len: int) -> int:
+    """Blocks that fit in the budget; KVBudgetError when one full sequence does not fit."""
+    num_blocks = kv_cache_bytes // shape.bytes_per_block
+    needed = -(-max_model_len // shape.block_size)
+    if num_blocks < needed:
+        raise KVBudgetError(
+            f"kv_cache_bytes: {kv_cache_bytes} bytes hold {num_blocks} blocks of "
+            f"{shape.bytes_per_block} bytes, but one {max_model_len}-token sequence needs "
+            f"{needed} blocks ({needed * shape.bytes_per_block} bytes); raise the budget "
+            f"or lower max_model_len"
+        )
+    return num_blocks
+
+
+class KVCache:
+    """K and V tensors of all local layers, paged into blocks."""
+
+    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device) -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks
+        dims = (shape.num_layers, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        self.k = torch.zeros(dims, dtype=shape.dtype, device=device)  # (L, NB, bs, Hkv, D)
+        self.v = torch.zeros(dims, dtype=shape.dtype, device=device)  # (L, NB, bs, Hkv, D)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache."""
+        return self.k.nbytes + self.v.nbytes
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one local layer, each (NB, bs, Hkv, D)."""
+        return self.k[index], self.v[index]
+
+    def export(self, block_table: list[int], num_tokens: int) -> KVBlob:
+        """Copy the first num_tokens tokens of these blocks into a contiguous blob."""
+        slots = self.token_slots(block_table, num_tokens)
+        k = self._flat(self.k).index_select(1, slots)  # (L, n, Hkv, D), one copy
+        v = self._flat(self.v).index_select(1, slots)  # (L, n, Hkv, D)
+        return KVBlob(k=k, v=v, num_tokens=num_tokens)
+
+    def import_(self, block_table: list[int], blob: KVBlob) -> None:
+        """Write the blob's tokens into these blocks (which must hold blob.num_tokens)."""
+        slots = self.token_slots(block_table, blob.num_tokens)
+        self._flat(self.k).index_copy_(1, slots, blob.k.to(self.k.device, self.k.dtype))
+        self._flat(self.v).index_copy_(1, slots, blob.v.to(self.v.device, self.v.dtype))
+
+    def token_slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """Flat slot (block_id * block_size + offset) of each of the first num_tokens tokens."""
+        bs = self.shape.block_size
+        ids = torch.tensor(block_table, dtype=torch.long, device=self.k.device)
+        offsets = torch.arange(bs, device=self.k.device)
+        return (ids[:, None] * bs + offsets[None, :]).flatten()[:num_tokens]  # (n,)
+
+    def _flat(self, cache: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        return cache.view(s.num_layers, -1, s.num_kv_heads, s.head_dim)  # (L, NB*bs, Hkv, D)

@@ -1,0 +1,99 @@
+"""What every model implements, and the weight loading they share.
+
+A model is built for one rank: it holds only its pipeline stage's layers and its tensor
+parallel slices. It lists, per HF weight name, the loaders that copy that tensor into
+its parameters; loading then checks that every listed name was present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from distserve_engine.attention import AttentionMetadata
+from distserve_engine.errors import CheckpointError, EngineError
+from distserve_engine.kv_cache import KVCache
+from distserve_engine.model_config import ModelConfig
+from distserve_engine.models.layers import ColumnParallelLinear
+from distserve_engine.parallel import ParallelState, tp_all_gather_last
+
+Loader = Callable[[torch.Tensor], None]
+
+
+def copy_into(param: torch.Tensor) -> Loader:
+    """A loader that copies a full tensor into a replicated parameter."""
+
+    def load(t: torch.Tensor) -> None:
+        if t.shape != param.shape:
+            raise CheckpointError(f"weight shape {tuple(t.shape)} != expected {tuple(param.shape)}")
+        param.data.copy_(t)
+
+    return load
+
+
+class CausalLM(nn.Module):
+    """Base of the decoder-only models: stage layout, logits, weight loading."""
+
+    def __init__(self, config: ModelConfig, state: ParallelState) -> None:
+        super().__init__()
+        for name, value in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
+                            ("intermediate_size", config.intermediate_size)):
+            if value % state.tp:
+                raise EngineError(f"tp: {state.tp} does not divide the model's {name} ({value})")
+        if config.num_layers < state.pp:
+            raise EngineError(f"pp: {state.pp} stages but the model has {config.num_layers} layers")
+        self.config = config
+        self.state = state
+        self.layer_range = state.layer_range(config.num_layers)
+        self.padded_vocab = -(-config.vocab_size // state.tp) * state.tp
+        self.lm_head: ColumnParallelLinear | None = None
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """x: token ids (T,) on the first stage, else hidden (T, hidden) -> hidden (T, hidden)."""
+        raise NotImplementedError
+
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Last-stage transform before the LM head (final norm); (B, hidden) -> (B, hidden)."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, hidden) last-token states -> (B, vocab) logits in float32."""
+        logits = self.lm_head(self.final_hidden(hidden))  # (B, padded_vocab / tp)
+        logits = tp_all_gather_last(logits, self.state)  # (B, padded_vocab)
+        return logits[:, : self.config.vocab_size].float()
+
+    def weight_loaders(self) -> dict[str, list[Loader]]:
+        """HF weight name -> loaders; every name listed must be in the checkpoint."""
+        raise NotImplementedError
+
+    def lm_head_loader(self) -> Loader:
+        """Loader padding the vocab rows to a multiple of tp, then sharding them."""
+
+        def load(t: torch.Tensor) -> None:
+            padded = t.new_zeros(self.padded_vocab, t.shape[1])
+            padded[: t.shape[0]] = t
+            self.lm_head.load(padded)
+
+        return load
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in; CheckpointError naming any weight that is missing."""
+        name_to_loaders = self.weight_loaders()
+        seen = set()
+        for name, tensor in weights:
+            for load in name_to_loaders.get(self.normalize_name(name), []):
+                try:
+                    load(tensor)
+                except (RuntimeError, CheckpointError) as e:
+                    raise CheckpointError(f"weight {name!r}: {e}") from e
+                seen.add(self.normalize_name(name))
+        missing = sorted(set(name_to_loaders) - seen)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise CheckpointError(f"checkpoint is missing {len(missing)} weights: {shown}")
+
+    def normalize_name(self, name: str) -> str:
+        """Map variant spellings of a checkpoint name to the one weight_loaders uses."""
+        return name

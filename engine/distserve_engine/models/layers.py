@@ -1,0 +1,137 @@
+"""Building blocks shared by the models: tensor-parallel linears, norms, rotary.
+
+Each linear knows how to load its slice of a full HF weight for this tp rank, so a
+model's `load_weights` only maps names. Column-parallel layers split output features
+(heads, MLP columns); row-parallel layers split input features and all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distserve_engine.errors import UnsupportedArchitectureError
+from distserve_engine.parallel import ParallelState, tp_all_reduce
+
+
+def _shard(x: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """Rank's equal slice of x along dim."""
+    step = x.shape[dim] // size
+    return x.narrow(dim, rank * step, step)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with output features split across tp ranks; parts may be fused."""
+
+    def __init__(self, in_features: int, part_sizes: list[int], bias: bool,
+                 state: ParallelState) -> None:
+        super().__init__()
+        self.state = state
+        self.local_sizes = [n // state.tp for n in part_sizes]  # per-part output on this rank
+        out_local = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(out_local, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_local), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, in) -> (T, out_local)."""
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, tensor: torch.Tensor, part: int = 0, is_bias: bool = False) -> None:
+        """Copy this rank's slice of one full part (e.g. q of a fused qkv)."""
+        start = sum(self.local_sizes[:part])
+        local = _shard(tensor, 0, self.state.tp_rank, self.state.tp)
+        target = self.bias if is_bias else self.weight
+        target.data[start:start + self.local_sizes[part]].copy_(local)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local W_local^T) + b with input features split across tp ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 state: ParallelState) -> None:
+        super().__init__()
+        self.state = state
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // state.tp),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, in_local) -> (T, out), summed over tp ranks."""
+        y = tp_all_reduce(F.linear(x, self.weight), self.state)
+        return y if self.bias is None else y + self.bias
+
+    def load(self, tensor: torch.Tensor, is_bias: bool = False) -> None:
+        """Copy this rank's input-feature slice (the bias is whole on every rank)."""
+        if is_bias:
+            self.bias.data.copy_(tensor)
+        else:
+            self.weight.data.copy_(_shard(tensor, 1, self.state.tp_rank, self.state.tp))
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, size) -> (T, size)."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return y.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """HF-style (half-split) rotary position embedding with a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: dict | None) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        inv_freq = _scale_inv_freq(inv_freq, scaling)
+        t = torch.arange(max_position, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)  # (P, D/2)
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,), q (T, H, D), k (T, Hkv, D) -> rotated q, k."""
+        cos = self.cos[positions][:, None, :]  # (T, 1, D/2)
+        sin = self.sin[positions][:, None, :]  # (T, 1, D/2)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)  # (T, H, D/2) each
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """Apply `rope_scaling` (none, linear or llama3) to the inverse frequencies."""
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise UnsupportedArchitectureError(f"rope_scaling: type {kind!r} is not supported")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(is_medium, blended, out)

@@ -1,0 +1,139 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral-style GQA) for batched serving.
+
+Q, K and V are one fused column-parallel matmul, gate and up another; attention goes
+through the paged cache (`attention.py`). Weights keep HF names and layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distserve_engine.attention import AttentionMetadata, paged_attention
+from distserve_engine.kv_cache import KVCache
+from distserve_engine.model_config import ModelConfig
+from distserve_engine.models.base import CausalLM, Loader, copy_into
+from distserve_engine.models.layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+)
+from distserve_engine.parallel import ParallelState
+
+
+class LlamaAttention(nn.Module):
+    """Multi-head attention with grouped KV heads and rotary positions."""
+
+    def __init__(self, c: ModelConfig, state: ParallelState, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = c.num_heads // state.tp  # local
+        self.num_kv_heads = c.num_kv_heads // state.tp  # local
+        self.head_dim = c.head_dim
+        self.scale = c.head_dim**-0.5
+        parts = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        self.qkv_proj = ColumnParallelLinear(c.hidden_size, parts, c.attention_bias, state)
+        self.o_proj = RowParallelLinear(c.num_heads * c.head_dim, c.hidden_size, False, state)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden)."""
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        q, k = self.rotary(meta.positions, q, k)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H*D)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, c: ModelConfig, state: ParallelState) -> None:
+        super().__init__()
+        size = c.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(c.hidden_size, [size, size], False, state)
+        self.down_proj = RowParallelLinear(size, c.hidden_size, False, state)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden)."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I/tp) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual."""
+
+    def __init__(self, c: ModelConfig, state: ParallelState, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.self_attn = LlamaAttention(c, state, rotary)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.mlp = LlamaMLP(c, state)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden)."""
+        x = x + self.self_attn(self.input_layernorm(x), meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(CausalLM):
+    """One rank's share of a Llama model."""
+
+    def __init__(self, config: ModelConfig, state: ParallelState) -> None:
+        super().__init__(config, state)
+        c = config
+        rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if state.is_first_stage else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, state, rotary) for _ in self.layer_range)
+        if state.is_last_stage:
+            self.norm = RMSNorm(c.hidden_size, c.norm_eps)
+            self.lm_head = ColumnParallelLinear(c.hidden_size, [self.padded_vocab], False, state)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """Token ids (T,) on the first stage, else hidden (T, hidden) -> hidden (T, hidden)."""
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, meta, *kv_cache.layer(i))
+        return hidden
+
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm; (B, hidden) -> (B, hidden)."""
+        return self.norm(hidden)
+
+    def weight_loaders(self) -> dict[str, list[Loader]]:
+        """HF name -> loaders for this rank's stage and tp slices."""
+        out: dict[str, list[Loader]] = {}
+        if self.embed_tokens is not None:
+            out["model.embed_tokens.weight"] = [copy_into(self.embed_tokens.weight)]
+        if self.state.is_last_stage:
+            out["model.norm.weight"] = [copy_into(self.norm.weight)]
+            head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+            out.setdefault(head, []).append(self.lm_head_loader())
+        for local, layer in enumerate(self.layers):
+            prefix = f"model.layers.{self.layer_range[local]}."
+            out.update(_layer_loaders(prefix, layer, self.config.attention_bias))
+        return out
+
+
+def _layer_loaders(prefix: str, layer: LlamaDecoderLayer, has_bias: bool) -> dict[str, list[Loader]]:
+    attn, mlp = layer.self_attn, layer.mlp
+    out: dict[str, list[Loader]] = {
+        prefix + "input_layernorm.weight": [copy_into(layer.input_layernorm.weight)],
+        prefix + "post_attention_layernorm.weight": [copy_into(layer.post_attention_layernorm.weight)],
+        prefix + "self_attn.o_proj.weight": [attn.o_proj.load],
+        prefix + "mlp.down_proj.weight": [mlp.down_proj.load],
+    }
+    for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        out[f"{prefix}self_attn.{name}.weight"] = [lambda t, p=part: attn.qkv_proj.load(t, p)]
+        if has_bias:
+            out[f"{prefix}self_attn.{name}.bias"] = [
+                lambda t, p=part: attn.qkv_proj.load(t, p, is_bias=True)
+            ]
+    for part, name in enumerate(("gate_proj", "up_proj")):
+        out[f"{prefix}mlp.{name}.weight"] = [lambda t, p=part: mlp.gate_up_proj.load(t, p)]
+    return out

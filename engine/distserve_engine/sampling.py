@@ -1,0 +1,105 @@
+"""Sampling parameters and the batched sampler that turns logits into next tokens.
+
+The sampler treats a batch at once: temperature, top-k and top-p are tensor ops over
+(B, V). A request with a seed gets noise from a generator seeded by (seed, step), so
+its tokens do not depend on the batch it shares or the instance that runs it: a
+sequence prefilled on one instance and decoded on another samples the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from distserve_engine.errors import EngineError
+
+# Large odd multiplier mixing the step into a per-request seed (splitmix64's constant).
+_STEP_MIX = 0x9E3779B97F4A7C15
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops."""
+
+    max_tokens: int = 16  # most generated tokens
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = -1  # tokens kept; -1 or 0 keeps all
+    seed: int | None = None  # per-request seed; None draws from the engine's generator
+    stop: list[str] = field(default_factory=list)  # strings that end generation
+    stop_token_ids: list[int] = field(default_factory=list)  # tokens that end generation
+    ignore_eos: bool = False  # keep going past EOS (benchmarks)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise EngineError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise EngineError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise EngineError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise EngineError(f"top_k: must be -1, 0 or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise EngineError(f"seed: must be an integer or None, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise EngineError(f"stop: must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise EngineError(f"stop_token_ids: must be token ids >= 0, got {self.stop_token_ids!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the most likely token is always taken."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Sampler:
+    """Samples one token per row of a logits batch."""
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
+        """logits (B, V) float; steps[i] is how many tokens row i has generated so far."""
+        # NOTE: sampling runs on the CPU: the tokens go there anyway and CPU generators
+        # make seeded draws identical on every device.
+        logits = logits.float().cpu()
+        greedy_ids = logits.argmax(dim=-1)  # (B,)
+        if all(p.is_greedy for p in params):
+            return greedy_ids.tolist()
+        probs = self._filtered_probs(logits, params)  # (B, V)
+        noise = self._exponential_noise(probs.shape, params, steps)  # (B, V)
+        # Exponential race: argmax(p / E), E ~ Exp(1), draws index i with probability p_i.
+        sampled_ids = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.is_greedy for p in params])
+        return torch.where(is_greedy, greedy_ids, sampled_ids).tolist()
+
+    def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+        top_ps = torch.tensor([p.top_p for p in params])
+        logits = logits / temps[:, None]
+        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # (B, V)
+        ranks = torch.arange(vocab)[None, :]  # (1, V)
+        drop = ranks >= top_ks[:, None]
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
+        drop |= mass_before >= top_ps[:, None]
+        drop[:, 0] = False  # always keep the best token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        filtered = torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+        return filtered.softmax(dim=-1)
+
+    def _exponential_noise(
+        self, shape: torch.Size, params: list[SamplingParams], steps: list[int]
+    ) -> torch.Tensor:
+        noise = torch.empty(shape).exponential_(generator=self.generator)  # (B, V)
+        for row, (p, step) in enumerate(zip(params, steps, strict=True)):
+            if p.seed is not None and not p.is_greedy:
+                g = torch.Generator().manual_seed((p.seed * _STEP_MIX + step) & _SEED_MASK)
+                noise[row].exponential_(generator=g)
+        return noise.clamp_min_(1e-20)

@@ -1,0 +1,13 @@
+"""KV transfer from a prefill instance to a decode instance, by where the two are.
+
+The decode instance pulls; the transport is chosen from the `KVHandle` alone, never by
+the user: the same process -> in-process handover of the tensors; the same host ->
+shared memory (a file in /dev/shm written by the prefill side, mapped by the decode
+side); another host -> TCP (the raw bytes over the prefill instance's HTTP port).
+# NOTE: a GPU-to-GPU path (NCCL / CUDA IPC) is not built: on CUDA the KV goes through
+# host memory with the transports above.
+"""
+
+from distserve_engine.transfer.fetcher import KVFetcher
+
+__all__ = ["KVFetcher"]
