@@ -89,6 +89,7 @@ class PrefillOutput:
 
     request_id: str
     first_token_id: int
+    first_text: str  # text of the first token that may be streamed (stop strings held back)
     finish_reason: str | None  # set when the request ended at its first token
     kv: KVHandle | None  # None when finished (nothing left to decode)
     queued_s: float  # when the instance accepted it
@@ -131,6 +132,7 @@ class TokenEvent:
     request_id: str
     token_ids: list[int]
     time_s: float
+    text: str = ""  # new text that may be streamed
     finish_reason: str | None = None  # "stop", "length", "abort"
     error: str | None = None  # set when the instance failed the request
     queued_s: float | None = None  # first event of a decode: when the instance accepted it

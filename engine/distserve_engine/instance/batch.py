@@ -76,9 +76,8 @@ class Admission:
 class DecodeBatch:
     """The requests being decoded together, stepped one token at a time."""
 
-    def __init__(self, runner: Any, stopper: Any) -> None:
+    def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self.stopper = stopper
         self.running: dict[str, Running] = {}
 
     def __len__(self) -> int:
@@ -95,15 +94,16 @@ class DecodeBatch:
         time_s = now_s()
         finished = []
         for item in items:
-            reason = self.stopper.check(item.seq)
-            self.emit(item, [item.seq.output_token_ids[-1]], reason, time_s)
-            if reason is not None:
+            text = self.runner.check_stop(item.seq)
+            self.emit(item, item.seq.output_token_ids[-1], text, time_s)
+            if item.seq.is_finished:
                 finished.append(self.remove(item.request.request_id))
         return finished
 
-    def emit(self, item: Running, token_ids: list[int], reason: str | None, time_s: float) -> None:
-        """Send new tokens (and the first event's timings) to the request's sink."""
-        event = TokenEvent(item.request.request_id, token_ids, time_s, finish_reason=reason)
+    def emit(self, item: Running, token_id: int, text: str, time_s: float) -> None:
+        """Send a new token (and the first event's timings) to the request's sink."""
+        event = TokenEvent(item.request.request_id, [token_id], time_s, text=text,
+                           finish_reason=item.seq.finish_reason)
         if item.is_first_event:
             event.queued_s, event.started_s, event.transfer = (
                 item.queued_s,

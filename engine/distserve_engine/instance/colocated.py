@@ -35,12 +35,11 @@ class ColocatedInstance(InstanceLoop):
     role = "colocated"
 
     def __init__(
-        self, name: str, runner: Any, stopper: Any, max_prefill_tokens: int, max_batch_size: int
+        self, name: str, runner: Any, max_prefill_tokens: int, max_batch_size: int
     ) -> None:
         super().__init__(name, runner)
-        self.stopper = stopper
         self.max_prefill_tokens = max_prefill_tokens
-        self.batch = DecodeBatch(runner, stopper)
+        self.batch = DecodeBatch(runner)
         self.admission = Admission(
             num_blocks=runner.block_manager.num_blocks,
             block_size=runner.block_manager.block_size,
@@ -100,9 +99,9 @@ class ColocatedInstance(InstanceLoop):
                 started_s=started_s,
             )
             self.batch.add(running)
-            reason = self.stopper.check(seq)
-            self.batch.emit(running, [seq.output_token_ids[-1]], reason, time_s)
-            if reason is not None:
+            text = self.runner.check_stop(seq)
+            self.batch.emit(running, seq.output_token_ids[-1], text, time_s)
+            if seq.is_finished:
                 self.batch.remove(item.request.request_id)
                 self.admission.release(item.request.request_id)
 

@@ -45,10 +45,10 @@ class DecodeInstance(InstanceLoop):
 
     role = "decode"
 
-    def __init__(self, name: str, runner: Any, stopper: Any, fetcher: Any, max_batch_size: int) -> None:
+    def __init__(self, name: str, runner: Any, fetcher: Any, max_batch_size: int) -> None:
         super().__init__(name, runner)
         self.fetcher = fetcher  # .fetch(KVHandle) -> (KVBlob, TransferStats), blocking
-        self.batch = DecodeBatch(runner, stopper)
+        self.batch = DecodeBatch(runner)
         self.admission = Admission(
             num_blocks=runner.block_manager.num_blocks,
             block_size=runner.block_manager.block_size,
@@ -118,6 +118,9 @@ class DecodeInstance(InstanceLoop):
                 continue
             seq = Sequence(rid, incoming.request.prompt_token_ids, incoming.request.params)
             seq.output_token_ids.append(incoming.prefill.first_token_id)
+            # Replays the prefill's stop check of the first token: rebuilds the streaming
+            # text state (its text already went out with the PrefillOutput).
+            self.runner.check_stop(seq)
             self.runner.import_kv(seq, blob)
             self.batch.add(
                 Running(

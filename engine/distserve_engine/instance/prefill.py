@@ -42,10 +42,9 @@ class PrefillInstance(InstanceLoop):
     role = "prefill"
 
     def __init__(
-        self, name: str, runner: Any, stopper: Any, max_prefill_tokens: int, url: str = ""
+        self, name: str, runner: Any, max_prefill_tokens: int, url: str = ""
     ) -> None:
         super().__init__(name, runner)
-        self.stopper = stopper
         self.max_prefill_tokens = max_prefill_tokens  # Lm
         self.url = url  # where decode instances reach `take_kv` over HTTP
         self._waiting: deque[_Waiting] = deque()
@@ -82,9 +81,9 @@ class PrefillInstance(InstanceLoop):
         self.runner.prefill(seqs)
         finished_s = now_s()
         for item, seq in zip(batch, seqs, strict=True):
-            reason = self.stopper.check(seq)
+            text = self.runner.check_stop(seq)
             handle = None
-            if reason is None:
+            if not seq.is_finished:
                 with self._held_lock:
                     self._held[seq.seq_id] = seq
                 handle = KVHandle(
@@ -100,7 +99,8 @@ class PrefillInstance(InstanceLoop):
                 PrefillOutput(
                     request_id=item.request.request_id,
                     first_token_id=seq.output_token_ids[-1],
-                    finish_reason=reason,
+                    first_text=text,
+                    finish_reason=seq.finish_reason,
                     kv=handle,
                     queued_s=item.queued_s,
                     started_s=started_s,
@@ -134,8 +134,7 @@ class PrefillInstance(InstanceLoop):
         return self.runner.block_manager.num_blocks_for(num_prompt_tokens + 1)
 
     def _kv_nbytes(self, num_tokens: int) -> int:
-        cache = self.runner.kv_cache
-        return cache.shape.bytes_per_block * num_tokens // cache.shape.block_size
+        return self.runner.kv_bytes_per_token * num_tokens
 
     def _has_work(self) -> bool:
         if not self._waiting:

@@ -1,0 +1,120 @@
+"""Prometheus metrics: vLLM's names where the meaning is the same, `distserve_` for the rest.
+
+Every series carries `deployment`, `role` (`router`, `prefill`, `decode`, `colocated`)
+and `instance` labels (and `model_name`, as vLLM does). The router observes per-request
+latencies from each request's timeline and copies every instance's queue and KV gauges
+from the loads it polls, so one scrape of the router shows the whole deployment; each
+instance server also exposes its own gauges. The analyzer, dashboards and alerts read
+only these names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from distserve_engine.request import InstanceLoad
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LABELS = ("deployment", "role", "instance", "model_name")
+# Buckets of vLLM's own histograms (seconds).
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TRANSFER_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                      0.5, 1.0, 2.5, 5.0)
+
+
+class ServingMetrics:
+    """The series of one process (router or instance), in its own registry."""
+
+    def __init__(self, deployment: str, role: str, instance: str, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.labels = {"deployment": deployment, "role": role, "instance": instance,
+                       "model_name": model_name}
+        r = self.registry
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              LABELS, buckets=TTFT_BUCKETS_S, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between two tokens.",
+                             LABELS, buckets=TPOT_BUCKETS_S, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              LABELS, buckets=TPOT_BUCKETS_S, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                             LABELS, buckets=E2E_BUCKETS_S, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.", LABELS, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", LABELS, registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests by reason.",
+                               (*LABELS, "finished_reason"), registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests in a running batch.", LABELS, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued on an instance.", LABELS, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", LABELS, registry=r)
+        self.held = Gauge("distserve_kv_held_requests",
+                          "Prefilled requests whose KV waits for a decode pull.", LABELS, registry=r)
+        self.healthy = Gauge("distserve_instance_healthy", "1 when the instance serves.", LABELS, registry=r)
+        self.queue_time = Histogram("distserve_queue_time_seconds", "Time queued before a phase.",
+                                    (*LABELS, "phase"), buckets=TTFT_BUCKETS_S, registry=r)
+        self.transfer_bytes = Counter("distserve_kv_transfer_bytes", "KV bytes pulled.",
+                                      (*LABELS, "transport"), registry=r)
+        self.transfer_s = Histogram("distserve_kv_transfer_seconds", "Duration of one KV pull.",
+                                    (*LABELS, "transport"), buckets=TRANSFER_BUCKETS_S, registry=r)
+        self.requests = Counter("distserve_requests", "Finished requests (SLO denominator).",
+                                LABELS, registry=r)
+        self.slo_met = Counter("distserve_slo_met_requests", "Finished requests meeting an SLO.",
+                               (*LABELS, "slo"), registry=r)
+        self.rejected = Counter("distserve_requests_rejected", "Requests refused by overload.",
+                                (*LABELS, "status"), registry=r)
+
+    def _l(self, **extra: str) -> dict[str, str]:
+        return {**self.labels, **extra}
+
+    def observe_request(self, timeline: Any, ttft_slo_s: float | None, tpot_slo_s: float | None) -> None:
+        """Record one finished request from its timeline (router side)."""
+        labels = self._l()
+        self.prompt_tokens.labels(**labels).inc(timeline.num_prompt_tokens)
+        self.generation_tokens.labels(**labels).inc(timeline.num_output_tokens)
+        self.success.labels(**labels, finished_reason=timeline.finish_reason or "error").inc()
+        if timeline.error is not None or timeline.ttft_s is None:
+            return
+        self.ttft.labels(**labels).observe(timeline.ttft_s)
+        self.e2e.labels(**labels).observe(timeline.e2e_s)
+        for gap_s in timeline.token_gaps_s:
+            self.itl.labels(**labels).observe(gap_s)
+        if timeline.tpot_s is not None:
+            self.tpot.labels(**labels).observe(timeline.tpot_s)
+        for phase, seconds in timeline.queue_times_s().items():
+            self.queue_time.labels(**labels, phase=phase).observe(seconds)
+        if timeline.transfer is not None:
+            t = timeline.transfer
+            self.transfer_bytes.labels(**labels, transport=t.transport).inc(t.nbytes)
+            self.transfer_s.labels(**labels, transport=t.transport).observe(t.seconds)
+        self._observe_slo(timeline, ttft_slo_s, tpot_slo_s)
+
+    def _observe_slo(self, timeline: Any, ttft_slo_s: float | None, tpot_slo_s: float | None) -> None:
+        labels = self._l()
+        self.requests.labels(**labels).inc()
+        is_ttft_met = ttft_slo_s is None or timeline.ttft_s <= ttft_slo_s
+        is_tpot_met = tpot_slo_s is None or (timeline.tpot_s or 0.0) <= tpot_slo_s
+        if is_ttft_met:
+            self.slo_met.labels(**labels, slo="ttft").inc()
+        if is_tpot_met:
+            self.slo_met.labels(**labels, slo="tpot").inc()
+        if is_ttft_met and is_tpot_met:
+            self.slo_met.labels(**labels, slo="both").inc()
+
+    def set_load(self, load: InstanceLoad) -> None:
+        """Copy one instance's queue and KV gauges (labelled with that instance)."""
+        labels = {**self.labels, "role": load.role, "instance": load.instance}
+        self.running.labels(**labels).set(load.num_running)
+        self.waiting.labels(**labels).set(load.num_waiting)
+        self.kv_usage.labels(**labels).set(load.kv_usage)
+        self.held.labels(**labels).set(load.num_held)
+        self.healthy.labels(**labels).set(1.0 if load.is_healthy else 0.0)
+
+    def render(self) -> bytes:
+        """The exposition text."""
+        return generate_latest(self.registry)
