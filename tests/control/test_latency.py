@@ -98,7 +98,7 @@ def test_analytic_is_within_20_percent_of_the_a100_profile():
     for e in errors:
         assert e.num_points >= 10
         assert e.max_error < 0.20, e
-        assert e.mean_error < 0.13, e
+        assert e.mean_error < 0.15, e
 
 
 def test_analytic_is_monotone_and_faster_with_more_gpus():
