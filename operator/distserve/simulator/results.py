@@ -52,9 +52,11 @@ class Trace:
             np.array([max(1, int(r.output_tokens)) for r in ordered], dtype=np.int64),
         )
 
-    def at_rate(self, rate_scale: float) -> Trace:
-        """The same requests with arrivals compressed rate_scale times (lengths kept)."""
-        return Trace(self.arrival_s / rate_scale, self.prompt_tokens, self.output_tokens)
+    def at_rate(self, rate_scale: float, num_requests: int | None = None) -> Trace:
+        """The first num_requests requests (default all) with arrivals compressed
+        rate_scale times, lengths kept."""
+        n = num_requests or self.num_requests
+        return Trace(self.arrival_s[:n] / rate_scale, self.prompt_tokens[:n], self.output_tokens[:n])
 
 
 @dataclass(frozen=True)

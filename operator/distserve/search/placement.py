@@ -1,0 +1,119 @@
+"""Which GPUs of which node each instance segment takes.
+
+Under low node affinity (Algorithm 2) a unit's instances are cut into node-level
+segments, and all segments of the same stage (prefill and decode) go on one node, so
+KV moves over that node's link. Otherwise an instance stays on one node when it fits
+there, and its stages spread over nodes only when it does not. Nodes are filled in
+order (first fit), which leaves whole nodes free for later replicas.
+"""
+
+from __future__ import annotations
+
+from distserve.plan import PhaseConfig, SegmentPlacement
+from distserve.search.trials import Unit
+
+
+class ClusterTooSmall(ValueError):
+    """The placement needs more GPUs (or a larger node) than the cluster has."""
+
+
+class _Nodes:
+    """Free GPU indices per node."""
+
+    def __init__(self, node_names: list[str], gpus_per_node: int) -> None:
+        self.names = node_names
+        self.gpus_per_node = gpus_per_node
+        self.free = [list(range(gpus_per_node)) for _ in node_names]
+
+    def node_with(self, count: int, avoid: set[int] = frozenset()) -> int:
+        """The first node with count free GPUs, preferring nodes not in avoid."""
+        for pass_avoid in (True, False):
+            for i, free in enumerate(self.free):
+                if len(free) >= count and not (pass_avoid and i in avoid):
+                    return i
+        raise ClusterTooSmall(
+            f"no node has {count} free GPUs (cluster: {len(self.names)} nodes x "
+            f"{self.gpus_per_node} GPUs, {sum(map(len, self.free))} left free)"
+        )
+
+    def take(self, node: int, count: int) -> tuple[int, ...]:
+        taken, self.free[node] = self.free[node][:count], self.free[node][count:]
+        return tuple(taken)
+
+
+def place_units(
+    node_names: list[str], gpus_per_node: int, unit: Unit, inter_op: int, num_units: int
+) -> tuple[SegmentPlacement, ...]:
+    """Segments for num_units replicas of an Algorithm 2 unit of inter_op node stages."""
+    nodes = _Nodes(node_names, gpus_per_node)
+    (tp_p, pp_p), (tp_d, pp_d) = unit.prefill, unit.decode
+    local_p, local_d = pp_p // inter_op, pp_d // inter_op
+    per_node = unit.n_prefill * tp_p * local_p + unit.n_decode * tp_d * local_d
+    segments = []
+    for u in range(num_units):
+        used: set[int] = set()
+        for s in range(inter_op):
+            node = nodes.node_with(per_node, used)
+            used.add(node)
+            for role, n, tp, local in (
+                ("prefill", unit.n_prefill, tp_p, local_p), ("decode", unit.n_decode, tp_d, local_d)
+            ):
+                for i in range(n):
+                    for j in range(local):
+                        segments.append(SegmentPlacement(
+                            role, u * n + i, s * local + j, node_names[node], nodes.take(node, tp)
+                        ))
+    return tuple(segments)
+
+
+def place_instances(
+    node_names: list[str], gpus_per_node: int, prefill: PhaseConfig, decode: PhaseConfig
+) -> tuple[SegmentPlacement, ...]:
+    """Segments for instances placed anywhere (Algorithm 1, a fixed placement)."""
+    nodes = _Nodes(node_names, gpus_per_node)
+    segments = []
+    for role, phase in (("prefill", prefill), ("decode", decode)):
+        if phase.tp > gpus_per_node:
+            raise ClusterTooSmall(f"{role} tp={phase.tp} exceeds the {gpus_per_node} GPUs of a node")
+        for i in range(phase.instances):
+            whole = phase.gpus_per_instance <= gpus_per_node
+            node = nodes.node_with(phase.gpus_per_instance) if whole else None
+            for stage in range(phase.pp):
+                where = node if whole else nodes.node_with(phase.tp)
+                segments.append(SegmentPlacement(
+                    role, i, stage, node_names[where], nodes.take(where, phase.tp)
+                ))
+    return tuple(segments)
+
+
+def pair_links(
+    segments: tuple[SegmentPlacement, ...], intra_bytes_per_s: float, inter_bytes_per_s: float
+) -> list[list[float]]:
+    """[prefill][decode] link bandwidth: the node's link when every stage of the prefill
+    instance shares a node with the decode instance's matching stage, else the network."""
+    def nodes_of(role: str) -> dict[int, list[str]]:
+        found: dict[int, dict[int, str]] = {}
+        for s in segments:
+            if s.role == role:
+                found.setdefault(s.instance, {})[s.stage] = s.node
+        return {i: [stages[k] for k in sorted(stages)] for i, stages in sorted(found.items())}
+
+    prefill, decode = nodes_of("prefill"), nodes_of("decode")
+    links = []
+    for p_nodes in prefill.values():
+        row = []
+        for d_nodes in decode.values():
+            same = _aligned(p_nodes, d_nodes)
+            row.append(intra_bytes_per_s if same else inter_bytes_per_s)
+        links.append(row)
+    return links
+
+
+def _aligned(p_nodes: list[str], d_nodes: list[str]) -> bool:
+    """Whether each layer's prefill and decode stages sit on the same node."""
+    if len(set(p_nodes)) == 1 and set(p_nodes) == set(d_nodes):
+        return True
+    n = max(len(p_nodes), len(d_nodes))
+    if n % len(p_nodes) or n % len(d_nodes):
+        return False
+    return all(p_nodes[k * len(p_nodes) // n] == d_nodes[k * len(d_nodes) // n] for k in range(n))

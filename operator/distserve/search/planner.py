@@ -1,0 +1,254 @@
+"""From a DistServeDeployment spec to a Plan: the entry point of the placement search.
+
+It resolves what the spec leaves to the live cluster (node names, GPUs per node),
+samples the workload once, runs Algorithm 1 or 2 (or simulates a fixed placement),
+replicates the chosen unit for `workload.rateRps`, pins every segment to GPUs, and
+adds the best colocated and chunked-prefill baselines on the same number of GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+
+from distserve.catalog import get_accelerator, get_model
+from distserve.catalog.accelerators import GBIT_BYTES
+from distserve.plan import LatencyStats, PhaseConfig, Plan
+from distserve.search.algorithms import UnitChoice, algorithm1, algorithm2
+from distserve.search.baselines import baseline_configs, best_baselines
+from distserve.search.candidates import ClusterShape, instance_configs
+from distserve.search.placement import ClusterTooSmall, pair_links, place_instances, place_units
+from distserve.search.trials import SearchContext, Unit, run_unit, unit_goodput
+from distserve.simulator import SLO, SimResult, Trace
+from distserve.spec import DistServeDeploymentSpec, SpecError
+from distserve.workload import make_workload
+
+SAMPLED_REQUESTS = 4000  # requests sampled once; a trial takes as many as it needs
+
+
+class NoFeasiblePlan(ValueError):
+    """No placement fits in memory, or no rate meets the SLOs, or the cluster is too small."""
+
+    def __init__(self, reason: str, best_attainment: float = 0.0) -> None:
+        super().__init__(f"{reason} (best attainment found: {best_attainment:.1%})")
+        self.reason = reason
+        self.best_attainment = best_attainment
+
+
+def _silent(_: str) -> None:
+    pass
+
+
+def plan_deployment(
+    spec: DistServeDeploymentSpec, *, node_names: list[str] | None = None,
+    gpus_per_node: int | None = None, progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """The best placement for the spec; NoFeasiblePlan when there is none."""
+    progress = progress or _silent
+    started = time.perf_counter()
+    names, per_node = resolve_cluster(spec, node_names, gpus_per_node)
+    ctx = build_context(spec)
+    model = get_model(ctx.model)
+    cluster = ClusterShape(
+        len(names), per_node, spec.planner.max_nodes_per_instance or len(names)
+    )
+    min_kv = _min_kv_tokens(ctx.trace)
+    configs = instance_configs(model, ctx.accelerator, cluster, min_kv[1])
+    with _pool(spec.planner.workers) as pmap:
+        if spec.placement is not None:
+            plan = _fixed(pmap, ctx, spec, names, per_node)
+        else:
+            plan = _searched(pmap, ctx, spec, model, cluster, names, min_kv, configs, progress)
+        base = best_baselines(
+            pmap, ctx, baseline_configs(configs, per_node) or [(plan.prefill.tp, plan.prefill.pp)],
+            plan.num_gpus, progress,
+        )
+    return _replace(plan, baselines=base, search_seconds=time.perf_counter() - started)
+
+
+def resolve_cluster(
+    spec: DistServeDeploymentSpec, node_names: list[str] | None, gpus_per_node: int | None
+) -> tuple[list[str], int]:
+    """Node names and GPUs per node: the spec's where set, else the live cluster's."""
+    names = spec.cluster.node_names or node_names
+    count = spec.cluster.nodes or (len(names) if names else None)
+    if count is None:
+        raise SpecError("spec.cluster.nodes: unset, and no live cluster to count nodes in")
+    if names is None:
+        names = [f"node-{i}" for i in range(count)]
+    if len(names) < count:
+        raise SpecError(f"spec.cluster.nodes: {count} nodes asked, {len(names)} named")
+    per_node = spec.cluster.gpus_per_node or gpus_per_node
+    if per_node is None:
+        raise SpecError("spec.cluster.gpusPerNode: unset, and no live cluster to read it from")
+    return list(names[:count]), per_node
+
+
+def build_context(spec: DistServeDeploymentSpec) -> SearchContext:
+    """The shared inputs of every trial: model, GPU, latency source, sampled requests, SLO."""
+    try:
+        model = get_model(spec.model.name)
+    except ValueError as err:
+        raise SpecError(f"spec.model.name: {err}") from None
+    try:
+        accelerator = get_accelerator(spec.cluster.accelerator)
+    except ValueError as err:
+        raise SpecError(f"spec.cluster.accelerator: {err}") from None
+    w = spec.workload
+    workload = make_workload(w.dataset, w.trace_path, w.arrival, w.cv)
+    trace = Trace.from_requests(workload.sample(1.0, max(SAMPLED_REQUESTS, spec.planner.num_requests), spec.planner.seed))
+    inter = (
+        spec.cluster.inter_node_bandwidth_gbps * GBIT_BYTES
+        if spec.cluster.inter_node_bandwidth_gbps else accelerator.inter_node_link_bytes_per_s
+    )
+    s = spec.slo
+    return SearchContext(
+        model=model.name, accelerator=accelerator.name,
+        latency_source=spec.planner.latency_model, profile_path=spec.planner.profile_path,
+        trace=trace, num_requests=spec.planner.num_requests,
+        slo=SLO(s.ttft_seconds, s.tpot_seconds, s.attainment, s.rule),
+        max_prefill_tokens=spec.planner.max_prefill_tokens,
+        max_decode_batch=spec.planner.max_decode_batch, chunk_size=spec.planner.chunk_size,
+        intra_node_bytes_per_s=accelerator.intra_node_link_bytes_per_s,
+        inter_node_bytes_per_s=inter,
+    )
+
+
+def _min_kv_tokens(trace: Trace) -> tuple[int, int]:
+    """(prefill, decode) KV tokens an instance must hold: the longest prompt, and the
+    longest prompt plus output, of the sampled requests."""
+    total = trace.prompt_tokens + trace.output_tokens
+    return int(trace.prompt_tokens.max()), int(total.max())
+
+
+def _searched(pmap, ctx, spec, model, cluster, names, min_kv, configs, progress) -> Plan:
+    """Run the placement algorithm the spec asks for and turn its unit into a plan."""
+    if not configs:
+        raise NoFeasiblePlan(
+            f"{model.name} ({model.weight_bytes / 1e9:.0f} GB of weights) fits no placement of "
+            f"up to {cluster.max_nodes_per_instance} nodes x {cluster.gpus_per_node} "
+            f"{ctx.accelerator} with room for a {min_kv[1]}-token request"
+        )
+    algorithm = spec.planner.algorithm
+    if algorithm == "auto":
+        algorithm = "low-affinity" if spec.cluster.node_affinity == "low" else "high-affinity"
+    rate = spec.workload.rate_rps
+    if algorithm == "low-affinity":
+        choice = algorithm2(pmap, ctx, model, cluster, min_kv, progress)
+        if choice is None:
+            raise NoFeasiblePlan(
+                f"{model.name} fits no pair of prefill and decode segments inside one node "
+                f"of {cluster.gpus_per_node} {ctx.accelerator} (try nodeAffinity: high)"
+            )
+    else:
+        choice = algorithm1(pmap, ctx, configs, cluster, rate, progress)
+    _check_goodput(choice, ctx)
+    copies = math.ceil(rate / choice.goodput.rate_rps) if (rate and algorithm == "low-affinity") else 1
+    unit = choice.unit
+    prefill = PhaseConfig(unit.prefill[0], unit.prefill[1], unit.n_prefill * copies)
+    decode = PhaseConfig(unit.decode[0], unit.decode[1], unit.n_decode * copies)
+    try:
+        if algorithm == "low-affinity":
+            segments = place_units(names, cluster.gpus_per_node, unit, choice.inter_op, copies)
+        else:
+            segments = place_instances(names, cluster.gpus_per_node, prefill, decode)
+    except ClusterTooSmall as err:
+        raise NoFeasiblePlan(
+            f"the plan needs {prefill.num_gpus + decode.num_gpus} GPUs"
+            + (f" for {rate} req/s" if rate else "") + f": {err}", choice.goodput.attainment,
+        ) from None
+    stats, attained = _latency_at(pmap, ctx, unit, choice.goodput.rate_rps)
+    return Plan(
+        algorithm=algorithm, model=ctx.model, accelerator=ctx.accelerator,
+        prefill=prefill, decode=decode, segments=segments,
+        goodput_rps=choice.goodput.rate_rps * copies, attainment=attained, latency=stats,
+        ttft_slo_s=ctx.slo.ttft_s, tpot_slo_s=ctx.slo.tpot_s,
+        attainment_target=ctx.slo.attainment, rate_rps=rate,
+    )
+
+
+def _fixed(pmap, ctx, spec, names, per_node) -> Plan:
+    """Simulate the spec's fixed placement: its goodput, attainment and latencies."""
+    p, d = spec.placement.prefill, spec.placement.decode
+    prefill, decode = PhaseConfig(p.tp, p.pp, p.instances), PhaseConfig(d.tp, d.pp, d.instances)
+    try:
+        segments = place_instances(names, per_node, prefill, decode)
+    except ClusterTooSmall as err:
+        raise NoFeasiblePlan(f"the fixed placement does not fit: {err}") from None
+    links = pair_links(segments, ctx.intra_node_bytes_per_s, ctx.inter_node_bytes_per_s)
+    unit = fixed_unit(prefill, decode, links)
+    (goodput,) = pmap(unit_goodput, [(ctx, unit)])
+    choice = UnitChoice(unit, 1, goodput)
+    _check_goodput(choice, ctx)
+    stats, attained = _latency_at(pmap, ctx, unit, goodput.rate_rps)
+    return Plan(
+        algorithm="fixed", model=ctx.model, accelerator=ctx.accelerator,
+        prefill=prefill, decode=decode, segments=segments, goodput_rps=goodput.rate_rps,
+        attainment=attained, latency=stats, ttft_slo_s=ctx.slo.ttft_s,
+        tpot_slo_s=ctx.slo.tpot_s, attainment_target=ctx.slo.attainment,
+        rate_rps=spec.workload.rate_rps,
+    )
+
+
+def fixed_unit(prefill: PhaseConfig, decode: PhaseConfig, links) -> Unit:
+    """The simulated unit of a whole fixed placement (links: [prefill][decode] bytes/s)."""
+    return Unit(
+        (prefill.tp, prefill.pp), (decode.tp, decode.pp), prefill.instances,
+        decode.instances, tuple(tuple(row) for row in links),
+    )
+
+
+def _check_goodput(choice: UnitChoice, ctx: SearchContext) -> None:
+    if choice.goodput.rate_rps <= 0:
+        s = ctx.slo
+        raise NoFeasiblePlan(
+            f"no request rate meets TTFT <= {s.ttft_s} s and TPOT <= {s.tpot_s} s for "
+            f"{s.attainment:.0%} of requests, even at a near-zero rate",
+            choice.goodput.attainment,
+        )
+
+
+def _latency_at(pmap, ctx: SearchContext, unit: Unit, rate_rps: float) -> tuple[LatencyStats, float]:
+    """Percentiles and attainment of a full trial (no early exit) at rate_rps."""
+    (result,) = pmap(run_unit, [(ctx, unit, rate_rps, None)])
+    return latency_stats(result), result.attainment(ctx.slo)
+
+
+def latency_stats(result: SimResult) -> LatencyStats:
+    """p50/p90/p99 TTFT and TPOT of a trial."""
+    q = result.percentile_s
+    return LatencyStats(
+        q("ttft", 50), q("ttft", 90), q("ttft", 99), q("tpot", 50), q("tpot", 90), q("tpot", 99)
+    )
+
+
+def _replace(plan: Plan, **changes) -> Plan:
+    from dataclasses import replace
+
+    return replace(plan, **changes)
+
+
+class _pool:
+    """A process pool as a map over argument tuples (inline with one worker)."""
+
+    def __init__(self, workers: int | None) -> None:
+        self.workers = workers or os.cpu_count() or 1
+        self.executor = None
+
+    def __enter__(self):
+        if self.workers > 1:
+            self.executor = ProcessPoolExecutor(self.workers)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(cancel_futures=True)
+
+    def __call__(self, fn, arg_tuples: list[tuple]) -> list:
+        if self.executor is None or len(arg_tuples) == 1:
+            return [fn(*args) for args in arg_tuples]
+        futures = [self.executor.submit(fn, *args) for args in arg_tuples]
+        return [f.result() for f in futures]

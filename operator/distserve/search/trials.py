@@ -1,0 +1,182 @@
+"""One candidate's goodput: the simulator set up for a configuration and bisected on rate.
+
+Everything here runs inside search worker processes, so the inputs are plain,
+picklable data (`SearchContext`, `(tp, pp)` tuples) and the latency models and their
+memoised iteration times are built once per process and reused by every trial.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from distserve.catalog import get_model
+from distserve.latency import get_latency_model, kv_capacity_tokens, prefill_saturation_tokens
+from distserve.search.goodput import Goodput, find_goodput
+from distserve.simulator import (
+    SLO,
+    InstanceModel,
+    SimResult,
+    StageTimer,
+    Trace,
+    TransferModel,
+    simulate_colocated,
+    simulate_disaggregated,
+)
+
+Config = tuple[int, int]  # (tp, pp) of one instance
+INFINITE_S = float("inf")
+
+
+@dataclass(frozen=True)
+class SearchContext:
+    """What every trial of one search shares."""
+
+    model: str
+    accelerator: str
+    latency_source: str  # "auto", "profile" or "analytic"
+    profile_path: str | None
+    trace: Trace  # sampled requests at 1 request per second; trials rescale arrivals
+    num_requests: int  # requests per trial, at least (the trace may hold more)
+    slo: SLO
+    max_prefill_tokens: int | None  # Lm; None: the saturation length of each config
+    max_decode_batch: int
+    chunk_size: int
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    min_duration_s: float = 60.0  # a trial spans at least this much arrival time
+
+    def trial_trace(self, rate_rps: float) -> Trace:
+        """The requests of one trial at rate_rps.
+
+        NOTE: a fast configuration would absorb a few hundred requests as one burst and
+        never show that it cannot keep up, so a trial holds enough requests to span
+        min_duration_s of arrivals (up to the length of the sampled trace).
+        """
+        wanted = max(self.num_requests, int(rate_rps * self.min_duration_s))
+        return self.trace.at_rate(rate_rps, min(wanted, self.trace.num_requests))
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Instances simulated together: n_prefill x prefill config, n_decode x decode config,
+    KV moving over a link of link_bytes_per_s."""
+
+    prefill: Config
+    decode: Config
+    n_prefill: int
+    n_decode: int
+    link_bytes_per_s: float
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs the unit takes."""
+        return self.n_prefill * _gpus(self.prefill) + self.n_decode * _gpus(self.decode)
+
+
+def _gpus(config: Config) -> int:
+    return config[0] * config[1]
+
+
+def instance_model(ctx: SearchContext, engine: str, config: Config) -> InstanceModel:
+    """The memoised timer and KV capacity of one instance configuration."""
+    return _instance_model(
+        ctx.model, ctx.accelerator, ctx.latency_source, ctx.profile_path, engine, config
+    )
+
+
+# NOTE: keyed on plain fields, not on the context: a context arrives unpickled afresh
+# with every task, and its trace is not hashable.
+@functools.lru_cache(maxsize=512)
+def _instance_model(model, accelerator, source, profile_path, engine, config) -> InstanceModel:
+    tp, pp = config
+    latency = get_latency_model(
+        model, accelerator, tp, pp, engine=engine, source=source, profile_path=profile_path
+    )
+    capacity = kv_capacity_tokens(model, accelerator, tp, pp)
+    return InstanceModel(StageTimer(latency, pp), capacity)
+
+
+def prefill_tokens(ctx: SearchContext, config: Config) -> int:
+    """Lm for a prefill instance of this configuration."""
+    if ctx.max_prefill_tokens:
+        return ctx.max_prefill_tokens
+    return _saturation_tokens(ctx.model, ctx.accelerator, ctx.latency_source, ctx.profile_path, config)
+
+
+@functools.lru_cache(maxsize=512)
+def _saturation_tokens(model, accelerator, source, profile_path, config) -> int:
+    timer = _instance_model(model, accelerator, source, profile_path, "disaggregated", config).timer
+    return prefill_saturation_tokens(timer.latency)
+
+
+def run_unit(ctx: SearchContext, unit: Unit, rate_rps: float, slo: SLO | None) -> SimResult:
+    """One trial of a disaggregated unit (an empty side simulates the other phase alone)."""
+    prefill = [instance_model(ctx, "disaggregated", unit.prefill)] * unit.n_prefill
+    decode = [instance_model(ctx, "disaggregated", unit.decode)] * unit.n_decode
+    kv_bytes = get_model(ctx.model).kv_bytes_per_token
+    return simulate_disaggregated(
+        ctx.trial_trace(rate_rps), prefill, decode,
+        transfer=TransferModel(kv_bytes, unit.link_bytes_per_s), slo=slo,
+        max_prefill_tokens=prefill_tokens(ctx, unit.prefill),
+        max_decode_batch=ctx.max_decode_batch,
+    )
+
+
+def run_baseline(
+    ctx: SearchContext, name: str, config: Config, instances: int, rate_rps: float, slo: SLO | None
+) -> SimResult:
+    """One trial of `instances` colocated instances: "colocated" or "chunked_prefill"."""
+    model = instance_model(ctx, "colocated", config)
+    return simulate_colocated(
+        ctx.trial_trace(rate_rps), [model] * instances, slo=slo,
+        chunk_size=ctx.chunk_size if name == "chunked_prefill" else None,
+        max_batch_tokens=max(2048, prefill_tokens(ctx, config)),
+        max_batch=ctx.max_decode_batch,
+    )
+
+
+def _capacity_rps(ctx: SearchContext, config: Config, engine: str) -> float:
+    """A rough requests-per-second capacity of one instance, where bisection starts."""
+    model = instance_model(ctx, engine, config)
+    prompt = float(np.mean(ctx.trace.prompt_tokens))
+    output = float(np.mean(ctx.trace.output_tokens))
+    lm = prefill_tokens(ctx, config)
+    per_request_s = model.timer.prefill_batch_s((lm,))[0] * prompt / lm
+    batch = int(max(1, min(ctx.max_decode_batch, model.kv_capacity_tokens / (prompt + output))))
+    alpha, slope = model.timer.decode_line(max(1, batch // model.pp))
+    iteration_s = alpha + slope * (batch // model.pp) * (prompt + output / 2)
+    decode_rps = batch / iteration_s / max(output, 1.0)
+    return min(1.0 / per_request_s, decode_rps)
+
+
+def unit_goodput(ctx: SearchContext, unit: Unit, slo: SLO | None = None) -> Goodput:
+    """Goodput of a unit under slo (default: the context's)."""
+    slo = slo or ctx.slo
+    config = unit.prefill if unit.n_prefill else unit.decode
+    count = unit.n_prefill or unit.n_decode
+    estimate = 0.5 * count * _capacity_rps(ctx, config, "disaggregated")
+    return find_goodput(lambda rate, s: run_unit(ctx, unit, rate, s), slo, estimate)
+
+
+def phase_goodput(ctx: SearchContext, phase: str, config: Config) -> Goodput:
+    """Goodput of one prefill instance judged on TTFT alone, or one decode instance on
+    TPOT alone (Algorithm 1's simu_prefill and simu_decode)."""
+    slo = ctx.slo
+    if phase == "prefill":
+        unit = Unit(config, config, 1, 0, ctx.intra_node_bytes_per_s)
+        phase_slo = SLO(slo.ttft_s, INFINITE_S, slo.attainment, slo.rule)
+    else:
+        unit = Unit(config, config, 0, 1, ctx.intra_node_bytes_per_s)
+        phase_slo = SLO(INFINITE_S, slo.tpot_s, slo.attainment, slo.rule)
+    return unit_goodput(ctx, unit, phase_slo)
+
+
+def baseline_goodput(ctx: SearchContext, name: str, config: Config) -> Goodput:
+    """Goodput of one colocated instance under the baseline's iteration policy."""
+    estimate = 0.5 * _capacity_rps(ctx, config, "colocated")
+    return find_goodput(
+        lambda rate, s: run_baseline(ctx, name, config, 1, rate, s), ctx.slo, estimate
+    )
