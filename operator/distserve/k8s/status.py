@@ -1,0 +1,128 @@
+"""What the resource's `status` says: the plan in figures, the phase, the conditions.
+
+The fields the CRD's printer columns read (phase, prefillInstances, decodeInstances,
+predictedGoodputRps) sit at the top of `status`, next to the plan's other figures;
+the whole plan document is kept in `status.plan` so that an approval or an operator
+restart applies exactly the plan that was shown, without searching again.
+
+Conditions follow the Kubernetes convention: one entry per type, `lastTransitionTime`
+moves only when `status` flips.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from distserve.plan import Plan
+
+PLANNED, APPLIED, READY, DEGRADED = "Planned", "Applied", "Ready", "Degraded"
+CONDITION_TYPES = (PLANNED, APPLIED, READY, DEGRADED)
+
+# Phases, in the order a healthy resource goes through them.
+PLANNING = "Planning"
+AWAITING_APPROVAL = "AwaitingApproval"
+APPLYING = "Applying"
+ROLLING_OUT = "RollingOut"
+READY_PHASE = "Ready"
+DEGRADED_PHASE = "Degraded"
+
+
+def now_iso() -> str:
+    """The current UTC time as Kubernetes writes it."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def build_node_assignment(plan: Plan) -> dict[str, list[str]]:
+    """Node name -> the segments it runs, e.g. {"gpu-0": ["prefill-0/s0 gpus 0,1"]}."""
+    node_to_segments: dict[str, list[str]] = {}
+    for s in sorted(plan.segments, key=lambda s: (s.node, s.role, s.instance, s.stage)):
+        gpus = ",".join(str(g) for g in s.gpu_ids)
+        node_to_segments.setdefault(s.node, []).append(
+            f"{s.role}-{s.instance}/s{s.stage} gpus {gpus}"
+        )
+    return node_to_segments
+
+
+def build_plan_status(plan: Plan) -> dict[str, Any]:
+    """The plan's figures as status fields."""
+    colocated = plan.baselines.get("colocated")
+    latency = plan.latency
+    return {
+        "planId": plan.plan_id,
+        "algorithm": plan.algorithm,
+        "prefillInstances": plan.prefill.instances,
+        "decodeInstances": plan.decode.instances,
+        "prefill": {"tp": plan.prefill.tp, "pp": plan.prefill.pp,
+                    "instances": plan.prefill.instances},
+        "decode": {"tp": plan.decode.tp, "pp": plan.decode.pp,
+                   "instances": plan.decode.instances},
+        "numGpus": plan.num_gpus,
+        "nodeAssignment": build_node_assignment(plan),
+        "predictedGoodputRps": round(plan.goodput_rps, 4),
+        "perGpuGoodputRps": round(plan.per_gpu_goodput_rps, 4),
+        "attainment": round(plan.attainment, 4),
+        "latency": _latency_status(latency) if latency else None,
+        "colocatedGoodputRps": round(colocated.goodput_rps, 4) if colocated else None,
+        "searchSeconds": round(plan.search_seconds, 3),
+        "plan": plan.to_dict(),
+    }
+
+
+def _latency_status(latency: Any) -> dict[str, float]:
+    """Latency percentiles in seconds, camelCase keys."""
+    return {
+        "ttftP50Seconds": round(latency.ttft_p50_s, 4),
+        "ttftP90Seconds": round(latency.ttft_p90_s, 4),
+        "ttftP99Seconds": round(latency.ttft_p99_s, 4),
+        "tpotP50Seconds": round(latency.tpot_p50_s, 5),
+        "tpotP90Seconds": round(latency.tpot_p90_s, 5),
+        "tpotP99Seconds": round(latency.tpot_p99_s, 5),
+    }
+
+
+def stored_plan(status: dict[str, Any] | None) -> Plan | None:
+    """The plan kept in the status, or None when there is none (or it cannot be read)."""
+    doc = (status or {}).get("plan")
+    if not doc:
+        return None
+    try:
+        return Plan.from_dict(doc)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def set_condition(
+    conditions: list[dict[str, Any]] | None,
+    kind: str,
+    is_true: bool,
+    reason: str,
+    message: str,
+    now: str | None = None,
+) -> list[dict[str, Any]]:
+    """The conditions with `kind` set; other types are kept, order is CONDITION_TYPES."""
+    by_type = {c["type"]: dict(c) for c in conditions or [] if "type" in c}
+    status = "True" if is_true else "False"
+    old = by_type.get(kind)
+    moved = old is None or old.get("status") != status
+    by_type[kind] = {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": (now or now_iso()) if moved else old["lastTransitionTime"],
+    }
+    order = {t: i for i, t in enumerate(CONDITION_TYPES)}
+    return sorted(by_type.values(), key=lambda c: order.get(c["type"], len(order)))
+
+
+def condition(status: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
+    """One condition of a status, or None."""
+    found = [c for c in (status or {}).get("conditions") or [] if c.get("type") == kind]
+    return found[0] if found else None
+
+
+def is_condition_true(status: dict[str, Any] | None, kind: str) -> bool:
+    """Whether a condition is present and True."""
+    found = condition(status, kind)
+    return bool(found and found.get("status") == "True")

@@ -1,0 +1,240 @@
+"""Builders of the prefill and decode workers: pods, per-instance Services, engine config.
+
+One pod runs one segment (one pipeline stage of one instance) and takes the segment's
+`tp` GPUs on one node. The plan names that node; how hard the pod is held to it follows
+the plan's node affinity:
+
+- low affinity (Algorithm 2): the prefill and decode segments of the same stage must
+  share a node so KV moves over NVLink only. The pod *requires* its planned node; when
+  the plan's node names are not real nodes (the shape came from the spec), pods of one
+  planned node require each other's company instead (pod affinity on the hostname).
+- high affinity (Algorithm 1): the network between nodes is fast, so the planned node is
+  only *preferred* and the scheduler may spread the segments.
+
+The builders are pure: (revision, segment) -> dict, ready for the API.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from distserve.k8s import naming
+from distserve.k8s.nodes import GPU_RESOURCE, is_cpu_spec
+from distserve.plan import SegmentPlacement
+
+CONFIG_DIR = "/etc/distserve"
+ENGINE_CONFIG_FILE = "engine.json"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+PLANNED_NODE_LABEL = f"{naming.LABEL_PREFIX}/planned-node"
+# NOTE: long enough for in-flight requests to finish after SIGTERM; the router has
+# stopped sending to a draining pod well before it is deleted.
+TERMINATION_GRACE_S = 120
+
+
+def instance_endpoints(revision: naming.Revision) -> list[dict[str, Any]]:
+    """Where each instance of a revision listens: its stage-0 pod in its headless Service."""
+    plan, owner = revision.plan, revision.owner
+    port = revision.spec.engine.port
+    endpoints = []
+    for role, phase in (("prefill", plan.prefill), ("decode", plan.decode)):
+        for instance in range(phase.instances):
+            service = naming.instance_name(revision, role, instance)
+            host = f"{naming.stage_hostname(0)}.{service}.{owner.namespace}.svc"
+            endpoints.append(
+                {
+                    "role": role,
+                    "instance": instance,
+                    "revision": revision.id,
+                    "url": f"http://{host}:{port}",
+                    "stages": phase.pp,
+                }
+            )
+    return endpoints
+
+
+def build_engine_config(revision: naming.Revision) -> dict[str, Any]:
+    """The engine configuration document every worker of a revision reads."""
+    spec = revision.spec
+    return {
+        "deployment": revision.owner.name,
+        "namespace": revision.owner.namespace,
+        "revision": revision.id,
+        "plan": revision.plan.to_dict(),
+        "model": spec.model.model_dump(by_alias=True, mode="json"),
+        "engine": spec.engine.model_dump(by_alias=True, mode="json"),
+        "instances": instance_endpoints(revision),
+    }
+
+
+def build_engine_config_map_spec(revision: naming.Revision) -> dict[str, Any]:
+    """The ConfigMap holding `engine.json` for one revision."""
+    owner = revision.owner
+    meta = naming.object_meta(
+        owner, naming.engine_config_name(revision), naming.revision_labels(revision)
+    )
+    document = json.dumps(build_engine_config(revision), indent=2, sort_keys=True)
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "data": {ENGINE_CONFIG_FILE: document}}
+
+
+def build_instance_service_spec(revision: naming.Revision, role: str, instance: int) -> dict[str, Any]:
+    """A headless Service through which the segments of one instance find each other."""
+    labels = naming.worker_labels(revision, role, instance, None)
+    selector = {k: labels[k] for k in (naming.REVISION_LABEL, naming.ROLE_LABEL, naming.INSTANCE_LABEL)}
+    meta = naming.object_meta(revision.owner, naming.instance_name(revision, role, instance), labels)
+    port = revision.spec.engine.port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "clusterIP": "None",
+            # NOTE: workers must resolve each other before they are Ready (NCCL rendezvous).
+            "publishNotReadyAddresses": True,
+            "selector": selector,
+            "ports": [{"name": "http", "port": port, "targetPort": "http"}],
+        },
+    }
+
+
+def build_affinity(revision: naming.Revision, segment: SegmentPlacement, known_nodes: set[str]) -> dict[str, Any] | None:
+    """The pod's affinity to its planned node, per the plan's node affinity."""
+    is_low = _is_low_affinity(revision)
+    if segment.node in known_nodes:
+        term = {"matchExpressions": [
+            {"key": HOSTNAME_LABEL, "operator": "In", "values": [segment.node]}]}
+        if is_low:
+            return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [term]}}}
+        return {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 100, "preference": term}]}}
+    if not is_low:
+        return None
+    together = {
+        "labelSelector": {"matchLabels": {
+            naming.REVISION_LABEL: revision.id, PLANNED_NODE_LABEL: segment.node}},
+        "topologyKey": HOSTNAME_LABEL,
+    }
+    return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [together]}}
+
+
+def _is_low_affinity(revision: naming.Revision) -> bool:
+    """Whether segments of one stage must share a node (a fixed plan follows the spec)."""
+    algorithm = revision.plan.algorithm
+    if algorithm == "fixed":
+        return revision.spec.cluster.node_affinity == "low"
+    return algorithm == "low-affinity"
+
+
+def build_resources(revision: naming.Revision, gpus: int) -> dict[str, Any]:
+    """Container resources: the spec's extra resources plus `gpus` GPUs (none on the CPU)."""
+    extra = revision.spec.engine.resources or {}
+    requests = dict(extra.get("requests", {}))
+    limits = dict(extra.get("limits", {}))
+    if not is_cpu_spec(revision.spec):
+        # Extended resources must have requests equal to limits.
+        requests[GPU_RESOURCE] = gpus
+        limits[GPU_RESOURCE] = gpus
+    resources = {"requests": requests, "limits": limits}
+    return {k: v for k, v in resources.items() if v}
+
+
+def build_worker_container(revision: naming.Revision, segment: SegmentPlacement) -> dict[str, Any]:
+    """The engine container of one segment; its arguments are the engine's contract."""
+    engine = revision.spec.engine
+    args = [
+        "--role", segment.role,
+        "--instance", str(segment.instance),
+        "--stage", str(segment.stage),
+        "--config", f"{CONFIG_DIR}/{ENGINE_CONFIG_FILE}",
+        "--host", "0.0.0.0",
+        "--port", str(engine.port),
+    ]
+    return {
+        "name": "engine",
+        "image": engine.image,
+        "imagePullPolicy": engine.image_pull_policy,
+        "command": ["python", "-m", "distserve_engine.server"],
+        "args": args,
+        "ports": [{"name": "http", "containerPort": engine.port}],
+        "env": build_env(revision.owner.name, engine.device, revision.id) + list(engine.env or []),
+        "resources": build_resources(revision, len(segment.gpu_ids)),
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                           "periodSeconds": 5, "failureThreshold": 3},
+        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                         {"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+
+
+def _field_ref(path: str) -> dict[str, Any]:
+    """An environment value taken from the pod's own fields (the downward API)."""
+    return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def build_env(deployment: str, device: str, revision_id: str | None = None) -> list[dict[str, Any]]:
+    """Environment every engine container gets (the router has no revision)."""
+    env = [
+        {"name": "DISTSERVE_DEPLOYMENT", "value": deployment},
+        {"name": "DISTSERVE_DEVICE", "value": device},
+        {"name": "POD_NAME", **_field_ref("metadata.name")},
+        {"name": "POD_NAMESPACE", **_field_ref("metadata.namespace")},
+        {"name": "NODE_NAME", **_field_ref("spec.nodeName")},
+    ]
+    if revision_id is not None:
+        env.insert(1, {"name": "DISTSERVE_REVISION", "value": revision_id})
+    return env
+
+
+def build_worker_pod_spec(revision: naming.Revision, segment: SegmentPlacement, known_nodes: set[str]) -> dict[str, Any]:
+    """The pod of one segment, pinned per the plan. `known_nodes`: the cluster's node names."""
+    role, instance, stage = segment.role, segment.instance, segment.stage
+    labels = {**naming.worker_labels(revision, role, instance, stage), PLANNED_NODE_LABEL: segment.node}
+    annotations = {
+        naming.PLANNED_NODE_ANNOTATION: segment.node,
+        naming.GPU_IDS_ANNOTATION: ",".join(str(g) for g in segment.gpu_ids),
+    }
+    name = naming.pod_name(revision, role, instance, stage)
+    meta = naming.object_meta(revision.owner, name, labels, annotations=annotations)
+    pod_spec: dict[str, Any] = {
+        "hostname": naming.stage_hostname(stage),
+        "subdomain": naming.instance_name(revision, role, instance),
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+        "containers": [build_worker_container(revision, segment)],
+        "volumes": [
+            {"name": "config", "configMap": {"name": naming.engine_config_name(revision)}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        ],
+    }
+    affinity = build_affinity(revision, segment, known_nodes)
+    if affinity:
+        pod_spec["affinity"] = affinity
+    pod_spec.update(build_placement_extras(revision))
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def build_placement_extras(revision: naming.Revision) -> dict[str, Any]:
+    """The spec's node selector and tolerations, plus a toleration of GPU-node taints."""
+    engine = revision.spec.engine
+    extras: dict[str, Any] = {}
+    if engine.node_selector:
+        extras["nodeSelector"] = dict(engine.node_selector)
+    tolerations = list(engine.tolerations or [])
+    if not is_cpu_spec(revision.spec):
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    if tolerations:
+        extras["tolerations"] = tolerations
+    return extras
+
+
+def build_revision_objects(revision: naming.Revision, known_nodes: set[str]) -> list[dict[str, Any]]:
+    """Everything one revision runs on: config first, then Services, then pods."""
+    plan = revision.plan
+    services = [
+        build_instance_service_spec(revision, role, instance)
+        for role, phase in (("prefill", plan.prefill), ("decode", plan.decode))
+        for instance in range(phase.instances)
+    ]
+    pods = [build_worker_pod_spec(revision, s, known_nodes) for s in plan.segments]
+    return [build_engine_config_map_spec(revision), *services, *pods]

@@ -1,0 +1,166 @@
+"""The builders as pure functions: plan + spec + owner -> Kubernetes objects."""
+
+from __future__ import annotations
+
+import json
+
+from k8s_factories import NODES, make_owner, make_plan, make_revision, make_spec
+
+from distserve.k8s import naming, router, workers
+
+KNOWN = set(NODES)
+
+
+def _pods(revision, known=KNOWN):
+    objects = workers.build_revision_objects(revision, known)
+    return [o for o in objects if o["kind"] == "Pod"]
+
+
+def _node_of(pod):
+    return pod["metadata"]["annotations"][naming.PLANNED_NODE_ANNOTATION]
+
+
+def _key(pod):
+    labels = pod["metadata"]["labels"]
+    return labels[naming.ROLE_LABEL], int(labels[naming.INSTANCE_LABEL]), int(labels[naming.STAGE_LABEL])
+
+
+def test_low_affinity_pins_each_stage_of_prefill_and_decode_to_one_node():
+    plan = make_plan("low-affinity", prefill=(2, 2, 1), decode=(1, 2, 1))
+    pods = _pods(make_revision(plan))
+    assert len(pods) == 4
+    for pod in pods:
+        required = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        term = required["nodeSelectorTerms"][0]["matchExpressions"][0]
+        assert term == {"key": "kubernetes.io/hostname", "operator": "In", "values": [_node_of(pod)]}
+    by_key = {_key(p): _node_of(p) for p in pods}
+    for stage in (0, 1):
+        assert by_key[("prefill", 0, stage)] == by_key[("decode", 0, stage)]
+    assert by_key[("prefill", 0, 0)] != by_key[("prefill", 0, 1)]
+
+
+def test_high_affinity_only_prefers_the_planned_node():
+    plan = make_plan("high-affinity", prefill=(2, 1, 2), decode=(2, 1, 2))
+    pods = _pods(make_revision(plan))
+    for pod in pods:
+        node_affinity = pod["spec"]["affinity"]["nodeAffinity"]
+        assert "requiredDuringSchedulingIgnoredDuringExecution" not in node_affinity
+        preferred = node_affinity["preferredDuringSchedulingIgnoredDuringExecution"][0]
+        assert preferred["preference"]["matchExpressions"][0]["values"] == [_node_of(pod)]
+    assert {_node_of(p) for p in pods if _key(p)[0] == "prefill"} == {NODES[0]}
+    assert {_node_of(p) for p in pods if _key(p)[0] == "decode"} == {NODES[1]}
+
+
+def test_synthetic_node_names_become_pod_affinity_only_under_low_affinity():
+    synthetic = ("node-0", "node-1")
+    low = _pods(make_revision(make_plan("low-affinity", nodes=synthetic)), known=set())
+    for pod in low:
+        term = pod["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert term["labelSelector"]["matchLabels"][workers.PLANNED_NODE_LABEL] == _node_of(pod)
+        assert pod["metadata"]["labels"][workers.PLANNED_NODE_LABEL] == _node_of(pod)
+    high = _pods(make_revision(make_plan("high-affinity", nodes=synthetic)), known=set())
+    assert all("affinity" not in pod["spec"] for pod in high)
+
+
+def test_gpu_requests_equal_tp_and_limits():
+    plan = make_plan(prefill=(4, 1, 1), decode=(2, 1, 1))
+    for pod in _pods(make_revision(plan)):
+        resources = pod["spec"]["containers"][0]["resources"]
+        tp = 4 if _key(pod)[0] == "prefill" else 2
+        assert resources["requests"]["nvidia.com/gpu"] == tp
+        assert resources["limits"]["nvidia.com/gpu"] == tp
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
+
+
+def test_cpu_accelerator_requests_no_gpu():
+    spec = make_spec(cluster={"nodes": 1, "gpusPerNode": 2, "accelerator": "CPU"},
+                     engine={"resources": {"requests": {"cpu": "2", "memory": "4Gi"}}})
+    pods = _pods(make_revision(make_plan(nodes=("node-0",)), spec), known=set())
+    for pod in pods:
+        resources = pod["spec"]["containers"][0]["resources"]
+        assert resources == {"requests": {"cpu": "2", "memory": "4Gi"}}
+        assert "tolerations" not in pod["spec"]
+
+
+def test_every_object_is_owned_and_labelled():
+    revision = make_revision()
+    owner = revision.owner
+    objects = workers.build_revision_objects(revision, KNOWN) + [
+        router.build_router_deployment_spec(owner, revision.spec),
+        router.build_router_service_spec(owner, revision.spec),
+        router.build_router_config_map_spec(owner, router.build_router_config(owner, revision.spec, [])),
+    ]
+    assert len(objects) == 1 + 3 + 3 + 3  # config, 3 instance Services, 3 pods, router x3
+    for obj in objects:
+        meta = obj["metadata"]
+        assert meta["ownerReferences"] == [{
+            "apiVersion": "distserve.io/v1alpha1", "kind": "DistServeDeployment", "name": "opt",
+            "uid": "uid-1234", "controller": True, "blockOwnerDeletion": True}]
+        assert meta["namespace"] == "serving"
+        assert meta["labels"][naming.DEPLOYMENT_LABEL] == "opt"
+        assert len(meta["name"]) <= 63
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(names) == len(set(names))
+
+
+def test_pod_labels_and_instance_service_selector_match():
+    revision = make_revision()
+    objects = workers.build_revision_objects(revision, KNOWN)
+    services = [o for o in objects if o["kind"] == "Service"]
+    pods = [o for o in objects if o["kind"] == "Pod"]
+    assert sorted(_key(p) for p in pods) == [("decode", 0, 0), ("decode", 1, 0), ("prefill", 0, 0)]
+    for service in services:
+        assert service["spec"]["clusterIP"] == "None"
+        members = [p for p in pods if all(p["metadata"]["labels"].get(k) == v
+                                          for k, v in service["spec"]["selector"].items())]
+        assert len(members) == 1
+        assert members[0]["spec"]["subdomain"] == service["metadata"]["name"]
+        assert members[0]["spec"]["hostname"] == "s0"
+
+
+def test_worker_container_args_and_config():
+    revision = make_revision()
+    pod = _pods(revision)[0]
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == ["python", "-m", "distserve_engine.server"]
+    assert container["args"][:6] == ["--role", "prefill", "--instance", "0", "--stage", "0"]
+    assert "--config" in container["args"]
+    config_map = workers.build_engine_config_map_spec(revision)
+    document = json.loads(config_map["data"]["engine.json"])
+    assert document["plan"]["id"] == revision.plan.plan_id
+    assert document["engine"]["port"] == 8000
+    assert [e["role"] for e in document["instances"]] == ["prefill", "decode", "decode"]
+    volume = pod["spec"]["volumes"][0]["configMap"]["name"]
+    assert volume == config_map["metadata"]["name"]
+
+
+def test_revision_id_follows_placement_and_engine_not_slo():
+    base = make_revision()
+    other_slo = make_revision(spec=make_spec(slo={"ttftSeconds": 1.0, "tpotSeconds": 0.2}))
+    other_image = make_revision(spec=make_spec(engine={"image": "example.com/engine:2"}))
+    other_plan = make_revision(plan=make_plan(decode=(1, 1, 3)))
+    assert base.id == other_slo.id
+    assert len({base.id, other_image.id, other_plan.id}) == 3
+
+
+def test_long_names_are_shortened_to_a_dns_label():
+    name = "a-very-long-deployment-name-that-goes-on-and-on-and-on-and-on-xyz"[:63]
+    revision = make_revision(name=name)
+    for obj in workers.build_revision_objects(revision, KNOWN):
+        assert len(obj["metadata"]["name"]) <= 63
+    assert naming.pod_name(revision, "prefill", 0, 0) != naming.pod_name(revision, "prefill", 0, 1)
+
+
+def test_router_service_is_the_openai_endpoint():
+    owner, spec = make_owner(), make_spec(engine={"serviceType": "LoadBalancer", "port": 9000})
+    service = router.build_router_service_spec(owner, spec)
+    deployment = router.build_router_deployment_spec(owner, spec)
+    assert service["metadata"]["name"] == "opt"
+    assert service["spec"]["type"] == "LoadBalancer"
+    assert service["spec"]["ports"][0]["port"] == 9000
+    template_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert all(template_labels[k] == v for k, v in service["spec"]["selector"].items())
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:2] == ["--role", "router"]
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0

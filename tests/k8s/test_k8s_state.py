@@ -1,0 +1,108 @@
+"""Cluster shape from Nodes, status and conditions, health, router lists, idempotent patches."""
+
+from __future__ import annotations
+
+from k8s_factories import make_node, make_plan, make_revision, make_spec
+
+from distserve.k8s import applying, health, nodes, workers
+from distserve.k8s import status as st
+
+
+def test_cluster_shape_counts_ready_gpu_nodes_and_reads_the_gpu_type():
+    cordoned = make_node("c", 8)
+    cordoned["spec"] = {"unschedulable": True}
+    found = [make_node("b", 8), make_node("a", 8), make_node("cpu-only", 0),
+             make_node("down", 8, ready=False), cordoned, make_node("odd", 4)]
+    shape = nodes.cluster_shape(found, is_cpu=False)
+    assert shape.node_names == ("a", "b", "odd")
+    assert shape.gpus_per_node == 8
+    assert shape.accelerator == "A100-80GB"
+    h100 = nodes.cluster_shape([make_node("h", 8, "NVIDIA-H100-80GB-HBM3")], is_cpu=False)
+    assert h100.accelerator == "H100-80GB"
+
+
+def test_fill_cluster_keeps_what_the_user_gave():
+    spec = make_spec(cluster={"accelerator": "H100-80GB"})
+    shape = nodes.ClusterShape(("a", "b", "c", "d"), 8, "A100-80GB")
+    filled = nodes.fill_cluster(spec, shape)
+    assert filled.cluster.nodes == 4
+    assert filled.cluster.gpus_per_node == 8
+    assert filled.cluster.node_names == ["a", "b", "c", "d"]
+    assert filled.cluster.accelerator == "H100-80GB"
+    default = nodes.fill_cluster(make_spec(cluster={}), shape)
+    assert default.cluster.accelerator == "A100-80GB"
+    assert not nodes.needs_nodes(make_spec())
+
+
+def test_plan_status_has_the_printer_columns_and_figures():
+    plan = make_plan()
+    status = st.build_plan_status(plan)
+    assert status["planId"] == plan.plan_id
+    assert (status["prefillInstances"], status["decodeInstances"]) == (1, 2)
+    assert status["prefill"] == {"tp": 2, "pp": 1, "instances": 1}
+    assert status["predictedGoodputRps"] == 3.0
+    assert status["colocatedGoodputRps"] == 1.0
+    assert status["latency"]["ttftP90Seconds"] == 0.2
+    assert status["nodeAssignment"]["gpu-node-a"] == ["decode-0/s0 gpus 2", "prefill-0/s0 gpus 0,1"]
+    assert st.stored_plan(status) == plan
+
+
+def test_condition_transition_time_moves_only_when_status_flips():
+    conditions = st.set_condition(None, st.READY, False, "NotReady", "0/3", now="t0")
+    conditions = st.set_condition(conditions, st.READY, False, "NotReady", "1/3", now="t1")
+    assert conditions[0]["lastTransitionTime"] == "t0"
+    assert conditions[0]["message"] == "1/3"
+    conditions = st.set_condition(conditions, st.PLANNED, True, "Planned", "ok", now="t2")
+    conditions = st.set_condition(conditions, st.READY, True, "AllReady", "3/3", now="t3")
+    assert [c["type"] for c in conditions] == ["Planned", "Ready"]
+    assert conditions[1]["lastTransitionTime"] == "t3"
+
+
+def _pod(name, ready=False, **status):
+    conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+    return {"metadata": {"name": name}, "status": {"conditions": conditions, **status}}
+
+
+def test_health_ready_needs_every_pod_and_a_router():
+    router_up = {"spec": {"replicas": 1}, "status": {"readyReplicas": 1}}
+    pods = [_pod("a", True), _pod("b", True)]
+    assert health.assess(pods, 2, router_up).is_ready
+    assert not health.assess(pods, 2, None).is_ready
+    assert not health.assess(pods[:1], 2, router_up).is_ready
+    report = health.assess(pods[:1], 2, router_up)
+    assert report.problems == ("1 of 2 worker pods missing",)
+
+
+def test_health_names_stuck_pods():
+    unschedulable = _pod("u", conditions=[{"type": "PodScheduled", "status": "False",
+                                           "reason": "Unschedulable",
+                                           "message": "0/4 nodes have 8 nvidia.com/gpu"}])
+    crashing = _pod("c", containerStatuses=[{"state": {"waiting": {"reason": "CrashLoopBackOff"}}}])
+    starting = _pod("s", containerStatuses=[{"state": {"waiting": {"reason": "ContainerCreating"}}}])
+    report = health.assess([unschedulable, crashing, starting], 3, None)
+    assert report.problems == ("pod u unschedulable: 0/4 nodes have 8 nvidia.com/gpu",
+                               "pod c CrashLoopBackOff")
+
+
+def test_route_instances_adds_drains_and_removes_revisions():
+    old = make_revision()
+    new = make_revision(plan=make_plan(decode=(1, 1, 3)))
+    routed = applying.route_instances([], add=workers.instance_endpoints(old))
+    routed = applying.route_instances(routed, add=workers.instance_endpoints(new))
+    assert [(e["revision"], e["draining"]) for e in routed].count((old.id, False)) == 3
+    assert len(routed) == 3 + 4
+    drained = applying.route_instances(routed, draining=frozenset({old.id}))
+    assert {e["draining"] for e in drained if e["revision"] == old.id} == {True}
+    assert {e["draining"] for e in drained if e["revision"] == new.id} == {False}
+    removed = applying.route_instances(drained, removed=frozenset({old.id}))
+    assert {e["revision"] for e in removed} == {new.id}
+
+
+def test_patches_of_pods_touch_only_metadata_and_quantities_compare_as_text():
+    pod = workers.build_worker_pod_spec(make_revision(), make_plan().segments[0], set())
+    assert set(applying.patch_of(pod)) == {"metadata"}
+    desired = {"spec": {"resources": {"limits": {"nvidia.com/gpu": 2}}, "ports": [{"port": 80}]}}
+    current = {"spec": {"resources": {"limits": {"nvidia.com/gpu": "2"}}, "ports": [{"port": 80,
+               "protocol": "TCP"}], "clusterIP": "10.0.0.1"}}
+    assert applying.is_subset(desired, current)
+    assert not applying.is_subset({"spec": {"ports": [{"port": 81}]}}, current)
