@@ -1,0 +1,105 @@
+"""Entry point of every serving process: `python -m distserve_engine.server`.
+
+    python -m distserve_engine.server --config serve.json --role prefill --instance prefill-0 \
+        --port 8001 [--host 0.0.0.0] [--advertise-url http://prefill-0.svc:8001] [--cpu-cores 0]
+    python -m distserve_engine.server --config serve.json --role decode --instance decode-0 --port 8002
+    python -m distserve_engine.server --config serve.json --role router --port 8000 \
+        --prefill-peers http://prefill-0.svc:8001 --decode-peers decode-0=http://decode-0.svc:8002
+    python -m distserve_engine.server --config serve.json --role all --port 8000
+
+Arguments:
+  --config FILE        JSON serving settings (see `server/settings.py`): engine config,
+                       Lm, decode batch, SLOs, and for `--role router` the peers.
+  --role ROLE          prefill | decode | colocated: one instance's internal API;
+                       router: the OpenAI API over instances at --*-peers;
+                       all: router and the settings' `instances` in this one process.
+  --instance NAME      this instance's name in metrics and KV handles (default ROLE-0).
+  --host, --port       where to listen (default 127.0.0.1:8000).
+  --advertise-url URL  how other processes reach this one (default http://HOST:PORT);
+                       decode instances pull KV from a prefill instance at this URL.
+  --prefill-peers, --decode-peers, --colocated-peers  comma-separated URL or NAME=URL
+                       (router); they override the settings' `peers`.
+  --cpu-cores LIST     pin the process to these cores (e.g. 0 or 0,1) and size torch's
+                       threads to them.
+  --log-level LEVEL    uvicorn's log level (default warning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+import uvicorn
+
+ROLES = ("prefill", "decode", "colocated", "router", "all")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(prog="python -m distserve_engine.server",
+                                description="Run one DistServe serving process.")
+    p.add_argument("--config", required=True, help="JSON serving settings file")
+    p.add_argument("--role", required=True, choices=ROLES)
+    p.add_argument("--instance", default=None, help="instance name (default ROLE-0)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--advertise-url", default=None)
+    for role in ("prefill", "decode", "colocated"):
+        p.add_argument(f"--{role}-peers", default=None, help=f"{role} instance URLs (router)")
+    p.add_argument("--cpu-cores", default=None, help="comma-separated core ids to pin to")
+    p.add_argument("--log-level", default="warning")
+    return p.parse_args(argv)
+
+
+def build_app(args: argparse.Namespace):
+    """The FastAPI app this process serves."""
+    from distserve_engine.server import assembly
+    from distserve_engine.server.instance_app import build_instance_app
+    from distserve_engine.server.settings import ServeSettings
+
+    settings = ServeSettings.load(args.config)
+    cores = [int(c) for c in args.cpu_cores.split(",")] if args.cpu_cores else None
+    assembly.pin_cpu(cores)
+    name = args.instance or f"{args.role}-0"
+    if args.role in assembly.ROLES:
+        host = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
+        url = args.advertise_url or f"http://{host}:{args.port}"
+        instance = assembly.build_instance(args.role, name, settings, url=url)
+        metrics = assembly.build_metrics(settings, args.role, name)
+        app = build_instance_app(instance, metrics)
+        app.router.on_shutdown.append(instance.stop)
+        return app
+    if args.role == "all":
+        router, instances, runner = assembly.build_in_process(settings)
+        return assembly.build_frontend_app(
+            settings, router, runner.tokenizer, runner.max_model_len,
+            on_shutdown=lambda: [i.stop() for i in instances])
+    peers = dict(settings.peers)
+    for role in ("prefill", "decode", "colocated"):
+        value = getattr(args, f"{role}_peers")
+        if value:
+            peers[role] = [v for v in value.split(",") if v]
+    tokenizer, max_model_len = assembly.load_tokenizer(settings)
+    metrics = assembly.build_metrics(settings, "router", name)
+    router = assembly.build_router(settings, assembly.http_clients(peers), metrics)
+    return assembly.build_frontend_app(settings, router, tokenizer, max_model_len)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build the app and serve it until SIGINT / SIGTERM (uvicorn handles both)."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    try:
+        app = build_app(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

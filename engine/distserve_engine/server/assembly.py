@@ -1,0 +1,110 @@
+"""Builds runners, instances, the router and the apps from the serving settings."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from distserve_engine.instance.client import HttpInstanceClient, LocalInstanceClient
+from distserve_engine.instance.colocated import ColocatedInstance
+from distserve_engine.instance.decode import DecodeInstance
+from distserve_engine.instance.prefill import PrefillInstance
+from distserve_engine.metrics import ServingMetrics
+from distserve_engine.router import Router
+from distserve_engine.runner import ModelRunner
+from distserve_engine.server.openai_app import Frontend, build_openai_app
+from distserve_engine.server.settings import ServeSettings
+from distserve_engine.transfer import KVFetcher, inprocess
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+def pin_cpu(cores: list[int] | None, num_threads: int | None = None) -> None:
+    """Pin this process to these cores and size torch's thread pool to them."""
+    if cores:
+        os.sched_setaffinity(0, set(cores))
+    threads = num_threads or (len(cores) if cores else None)
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def build_instance(role: str, name: str, settings: ServeSettings, runner: Any = None,
+                   url: str = "") -> Any:
+    """A started instance of `role` with its own runner."""
+    runner = runner or ModelRunner(settings.engine_config())
+    if role == "prefill":
+        instance = PrefillInstance(name, runner, settings.max_prefill_tokens, url=url)
+        inprocess.register(instance)
+    elif role == "decode":
+        instance = DecodeInstance(name, runner, KVFetcher(), settings.max_decode_batch)
+    elif role == "colocated":
+        instance = ColocatedInstance(name, runner, settings.max_prefill_tokens,
+                                     settings.max_decode_batch)
+    else:
+        raise ValueError(f"role: expected one of {ROLES}, got {role!r}")
+    return instance.start()
+
+
+def build_metrics(settings: ServeSettings, role: str, name: str) -> ServingMetrics:
+    """The process's metrics with its labels."""
+    return ServingMetrics(settings.deployment, role, name, settings.model_name)
+
+
+def build_router(settings: ServeSettings, role_to_clients: dict[str, list[Any]],
+                 metrics: Any) -> Router:
+    """A router over the given instance clients."""
+    return Router(role_to_clients.get("prefill", []), role_to_clients.get("decode", []),
+                  role_to_clients.get("colocated", []), metrics=metrics,
+                  max_waiting_requests=settings.max_waiting_requests,
+                  ttft_slo_s=settings.ttft_slo_s, tpot_slo_s=settings.tpot_slo_s)
+
+
+def http_clients(peers: dict[str, list[str]]) -> dict[str, list[HttpInstanceClient]]:
+    """Clients of instance servers; an entry is `URL` or `NAME=URL`."""
+    out: dict[str, list[HttpInstanceClient]] = {}
+    for role, entries in peers.items():
+        for i, entry in enumerate(entries):
+            name, _, url = entry.rpartition("=") if "=" in entry else (f"{role}-{i}", "", entry)
+            out.setdefault(role, []).append(HttpInstanceClient(name, role, url))
+    return out
+
+
+def build_in_process(settings: ServeSettings) -> tuple[Router, list[Any], Any]:
+    """Router and all instances in this process (`--role all`, tests); returns the runner used for the tokenizer."""
+    instances = []
+    for role in ROLES:
+        for i in range(settings.instances.get(role, 0)):
+            instances.append(build_instance(role, f"{role}-{i}", settings))
+    clients: dict[str, list[Any]] = {}
+    for instance in instances:
+        clients.setdefault(instance.role, []).append(LocalInstanceClient(instance))
+    metrics = build_metrics(settings, "router", "router-0")
+    return build_router(settings, clients, metrics), instances, instances[0].runner
+
+
+def build_frontend_app(settings: ServeSettings, router: Router, tokenizer: Any,
+                       max_model_len: int, on_shutdown: Any = None) -> Any:
+    """The OpenAI app over a router; the router starts polling when the app starts."""
+    frontend = Frontend(router, tokenizer, settings.model_name, max_model_len,
+                        settings.default_max_tokens)
+
+    async def shutdown() -> None:
+        await router.stop()
+        if on_shutdown is not None:
+            on_shutdown()
+
+    return build_openai_app(frontend, router.metrics, on_startup=router.start, on_shutdown=shutdown)
+
+
+def load_tokenizer(settings: ServeSettings) -> tuple[Any, int]:
+    """The tokenizer and context length, without loading weights (router pods)."""
+    from distserve_engine.loader import load_model_config, resolve_checkpoint
+    from distserve_engine.tokenizer import Tokenizer
+
+    config = settings.engine_config()
+    ckpt = resolve_checkpoint(config.model)
+    model_config = load_model_config(ckpt)
+    max_model_len = min(model_config.max_position, config.max_model_len or model_config.max_position)
+    return Tokenizer.load(ckpt, model_config.eos_token_ids), max_model_len

@@ -1,0 +1,114 @@
+"""The HTTP face of one instance, which routers and decode instances call.
+
+Internal endpoints (JSON; the contract is `request.py`'s dataclasses):
+- `POST /prefill` {request} -> PrefillOutput (prefill role; waits for the first token)
+- `POST /decode` {request, prefill} -> JSON lines of TokenEvents (decode role)
+- `POST /generate` {request} -> JSON lines of TokenEvents (colocated role)
+- `GET /kv/{id}` raw K then V bytes, header in X-KV-Header (prefill; TCP transfer)
+- `POST /kv/{id}/shm` -> header with a /dev/shm path (prefill; shared-memory transfer)
+- `DELETE /requests/{id}` cancel; `GET /load`, `GET /health`, `GET /metrics`.
+A caller that disconnects from a prefill or a stream cancels the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from distserve_engine.metrics import CONTENT_TYPE
+from distserve_engine.request import PrefillOutput, ServeRequest, TokenEvent
+from distserve_engine.transfer import shm, tcp
+
+
+def build_instance_app(instance: Any, metrics: Any = None) -> FastAPI:
+    """The FastAPI app of a prefill, decode or colocated instance."""
+    app = FastAPI(title=f"DistServe {instance.role} instance {instance.name}")
+
+    def sink_to(queue: asyncio.Queue) -> Any:
+        loop = asyncio.get_running_loop()
+        return lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    async def events(queue: asyncio.Queue, request_id: str) -> AsyncIterator[str]:
+        is_done = False
+        try:
+            while not is_done:
+                event: TokenEvent = await queue.get()
+                is_done = event.is_last
+                yield json.dumps(event.to_dict()) + "\n"
+        finally:
+            if not is_done:  # the caller went away
+                instance.cancel(request_id)
+
+    @app.post("/prefill")
+    async def prefill(raw: Request) -> Response:
+        request = ServeRequest.from_dict((await raw.json())["request"])
+        queue: asyncio.Queue = asyncio.Queue()
+        instance.submit(request, sink_to(queue))
+        try:
+            out = await queue.get()
+        except asyncio.CancelledError:
+            instance.cancel(request.request_id)
+            raise
+        if isinstance(out, TokenEvent):
+            return JSONResponse({"error": out.error or "aborted"}, status_code=503)
+        return JSONResponse(out.to_dict())
+
+    @app.post("/decode")
+    async def decode(raw: Request) -> Response:
+        body = await raw.json()
+        request = ServeRequest.from_dict(body["request"])
+        queue: asyncio.Queue = asyncio.Queue()
+        instance.submit(request, PrefillOutput.from_dict(body["prefill"]), sink_to(queue))
+        return StreamingResponse(events(queue, request.request_id), media_type="application/x-ndjson")
+
+    @app.post("/generate")
+    async def generate(raw: Request) -> Response:
+        request = ServeRequest.from_dict((await raw.json())["request"])
+        queue: asyncio.Queue = asyncio.Queue()
+        instance.submit(request, sink_to(queue))
+        return StreamingResponse(events(queue, request.request_id), media_type="application/x-ndjson")
+
+    @app.get("/kv/{request_id}")
+    async def kv_tcp(request_id: str) -> Response:
+        try:
+            blob = await asyncio.to_thread(instance.take_kv, request_id)
+        except KeyError:
+            return JSONResponse({"error": f"no KV held for {request_id}"}, status_code=404)
+        body, headers = await asyncio.to_thread(tcp.encode, blob)
+        return Response(body, media_type="application/octet-stream", headers=headers)
+
+    @app.post("/kv/{request_id}/shm")
+    async def kv_shm(request_id: str) -> Response:
+        try:
+            blob = await asyncio.to_thread(instance.take_kv, request_id)
+        except KeyError:
+            return JSONResponse({"error": f"no KV held for {request_id}"}, status_code=404)
+        return JSONResponse(await asyncio.to_thread(shm.write, blob))
+
+    @app.delete("/requests/{request_id}")
+    async def cancel(request_id: str) -> dict:
+        instance.cancel(request_id)
+        return {"cancelled": request_id}
+
+    @app.get("/load")
+    async def load() -> dict:
+        return instance.load().to_dict()
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = 200 if instance.is_healthy else 503
+        return JSONResponse({"healthy": instance.is_healthy, "error": instance.error}, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        if metrics is None:
+            return Response(b"", media_type=CONTENT_TYPE)
+        metrics.set_load(instance.load())
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

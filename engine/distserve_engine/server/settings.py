@@ -1,0 +1,64 @@
+"""The serving settings document (`--config FILE`): JSON, written by the launcher or operator.
+
+    {"deployment": "local", "model_name": "HuggingFaceTB/SmolLM2-135M-Instruct",
+     "engine": {"model": "/path", "device": "cpu", "max_model_len": 2048, ...},  # EngineConfig
+     "max_prefill_tokens": 512, "max_decode_batch": 32, "max_waiting_requests": 128,
+     "default_max_tokens": 256, "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
+     "instances": {"prefill": 1, "decode": 1, "colocated": 0},   # for --role all
+     "peers": {"prefill": ["http://p0:8001"], "decode": [...]}}  # for --role router
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distserve_engine.config import EngineConfig
+
+
+@dataclass
+class ServeSettings:
+    """How one deployment serves: the engine, batching bounds, SLOs, peers."""
+
+    engine: dict[str, Any]  # EngineConfig fields
+    deployment: str = "distserve"
+    model_name: str = "model"
+    max_prefill_tokens: int = 512  # Lm: prefill batches fill up to this many tokens
+    max_decode_batch: int = 64  # most sequences in one decode batch
+    max_waiting_requests: int = 128  # router refuses (429) beyond this many waiting
+    default_max_tokens: int | None = 256  # chat output limit when the client gives none
+    slo: dict[str, float] = field(default_factory=dict)  # ttft_s, tpot_s
+    instances: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
+    peers: dict[str, list[str]] = field(default_factory=dict)  # role -> instance URLs
+
+    def engine_config(self) -> EngineConfig:
+        """The EngineConfig of every instance."""
+        return EngineConfig(**self.engine)
+
+    @property
+    def ttft_slo_s(self) -> float | None:
+        return self.slo.get("ttft_s")
+
+    @property
+    def tpot_slo_s(self) -> float | None:
+        return self.slo.get("tpot_s")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> ServeSettings:
+        """Read the document; unknown keys are an error naming them."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(doc) - known)
+        if unknown:
+            raise ValueError(f"serve settings: unknown keys {unknown}; expected some of {sorted(known)}")
+        return cls(**doc)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ServeSettings:
+        """Read a JSON settings file."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
