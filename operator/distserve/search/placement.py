@@ -9,6 +9,8 @@ order (first fit), which leaves whole nodes free for later replicas.
 
 from __future__ import annotations
 
+import math
+
 from distserve.plan import PhaseConfig, SegmentPlacement
 from distserve.search.trials import Unit
 
@@ -117,3 +119,22 @@ def _aligned(p_nodes: list[str], d_nodes: list[str]) -> bool:
     if n % len(p_nodes) or n % len(d_nodes):
         return False
     return all(p_nodes[k * len(p_nodes) // n] == d_nodes[k * len(d_nodes) // n] for k in range(n))
+
+
+def place_fixed(
+    node_names: list[str], gpus_per_node: int, prefill: PhaseConfig, decode: PhaseConfig,
+    is_low_affinity: bool,
+) -> tuple[SegmentPlacement, ...]:
+    """Segments for a placement given by the user. Under low node affinity all its
+    instances are laid out as one Algorithm 2 unit (matching stages share a node) with
+    the fewest node-level segments that fit; otherwise, or when no such layout fits,
+    instances go anywhere."""
+    if is_low_affinity:
+        common = math.gcd(prefill.pp, decode.pp)
+        for k in (k for k in range(1, min(common, len(node_names)) + 1) if common % k == 0):
+            unit = Unit((prefill.tp, prefill.pp), (decode.tp, decode.pp),
+                        prefill.instances, decode.instances, 0.0)
+            per_node = (prefill.num_gpus + decode.num_gpus) // k
+            if per_node <= gpus_per_node:
+                return place_units(node_names, gpus_per_node, unit, k, 1)
+    return place_instances(node_names, gpus_per_node, prefill, decode)

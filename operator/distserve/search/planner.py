@@ -20,7 +20,13 @@ from distserve.plan import LatencyStats, PhaseConfig, Plan
 from distserve.search.algorithms import UnitChoice, algorithm1, algorithm2
 from distserve.search.baselines import baseline_configs, best_baselines
 from distserve.search.candidates import ClusterShape, instance_configs
-from distserve.search.placement import ClusterTooSmall, pair_links, place_instances, place_units
+from distserve.search.placement import (
+    ClusterTooSmall,
+    pair_links,
+    place_fixed,
+    place_instances,
+    place_units,
+)
 from distserve.search.trials import SearchContext, Unit, run_unit, unit_goodput
 from distserve.simulator import SLO, SimResult, Trace
 from distserve.spec import DistServeDeploymentSpec, SpecError
@@ -175,7 +181,9 @@ def _fixed(pmap, ctx, spec, names, per_node) -> Plan:
     p, d = spec.placement.prefill, spec.placement.decode
     prefill, decode = PhaseConfig(p.tp, p.pp, p.instances), PhaseConfig(d.tp, d.pp, d.instances)
     try:
-        segments = place_instances(names, per_node, prefill, decode)
+        segments = place_fixed(
+            names, per_node, prefill, decode, spec.cluster.node_affinity == "low"
+        )
     except ClusterTooSmall as err:
         raise NoFeasiblePlan(f"the fixed placement does not fit: {err}") from None
     links = pair_links(segments, ctx.intra_node_bytes_per_s, ctx.inter_node_bytes_per_s)

@@ -1,0 +1,115 @@
+"""`distserve plan -f SPEC`: search the placement and show it, or print it as JSON.
+
+Progress goes to stderr while the search runs; the chosen plan, its predicted
+goodput, attainment and latency percentiles, and the best colocated and
+chunked-prefill plans on the same GPUs go to stdout (one JSON object with --json).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from distserve.plan import Plan
+from distserve.search import NoFeasiblePlan, plan_deployment
+from distserve.spec import load_manifest
+
+NAME = "plan"
+HELP = "Search the goodput-optimal prefill/decode placement for a DistServeDeployment spec."
+EXIT_NO_PLAN = 1
+
+
+def add_arguments(parser) -> None:
+    """Options of `distserve plan`."""
+    parser.add_argument("-f", "--file", required=True, metavar="SPEC",
+                        help="DistServeDeployment YAML manifest")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw SLO attainment against per-GPU rate for the plan and baselines")
+
+
+def run(args) -> int:
+    """Plan, print, optionally plot; exit 1 when no placement meets the SLOs."""
+    manifest = load_manifest(args.file)
+    started = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    try:
+        plan = plan_deployment(manifest.spec, progress=progress)
+    except NoFeasiblePlan as err:
+        print(f"error: no feasible plan: {err}", file=sys.stderr)
+        return EXIT_NO_PLAN
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(format_plan(plan, manifest.metadata.name))
+    if args.plot:
+        _plot(manifest.spec, plan, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def format_plan(plan: Plan, name: str) -> str:
+    """The human-readable report of a plan."""
+    lines = [
+        f"plan for {name}: {plan.model} on {plan.num_gpus} x {plan.accelerator} "
+        f"({plan.algorithm}, searched in {plan.search_seconds:.1f} s)",
+        "",
+        f"  {'phase':<8} {'tp':>3} {'pp':>3} {'instances':>9} {'GPUs':>5}",
+    ]
+    for role, phase in (("prefill", plan.prefill), ("decode", plan.decode)):
+        lines.append(f"  {role:<8} {phase.tp:>3} {phase.pp:>3} {phase.instances:>9} {phase.num_gpus:>5}")
+    lines += [
+        "",
+        f"  goodput      {plan.goodput_rps:.2f} req/s  ({plan.per_gpu_goodput_rps:.3f} req/s per GPU)",
+        f"  attainment   {plan.attainment:.1%} at goodput (target {plan.attainment_target:.0%}, "
+        f"TTFT <= {plan.ttft_slo_s} s, TPOT <= {plan.tpot_slo_s} s)",
+    ]
+    if plan.rate_rps:
+        lines.append(f"  sized for    {plan.rate_rps} req/s")
+    if plan.latency:
+        lat = plan.latency
+        lines += [
+            f"  TTFT         p50 {lat.ttft_p50_s:.3f} s   p90 {lat.ttft_p90_s:.3f} s   p99 {lat.ttft_p99_s:.3f} s",
+            f"  TPOT         p50 {lat.tpot_p50_s:.4f} s  p90 {lat.tpot_p90_s:.4f} s  p99 {lat.tpot_p99_s:.4f} s",
+        ]
+    lines += ["", "  placement"]
+    for seg in plan.segments:
+        gpus = ",".join(map(str, seg.gpu_ids))
+        lines.append(f"    {seg.role:<8} #{seg.instance:<3} stage {seg.stage:<2} {seg.node}  GPUs {gpus}")
+    if plan.baselines:
+        lines += ["", "  baselines on the same GPUs (per-GPU goodput, DistServe's gain)"]
+        for b in plan.baselines.values():
+            gain = plan.per_gpu_goodput_rps / b.per_gpu_goodput_rps if b.per_gpu_goodput_rps else float("inf")
+            chunk = f" chunk {b.chunk_size}" if b.chunk_size else ""
+            lines.append(
+                f"    {b.name:<16} tp{b.tp} pp{b.pp} x{b.instances}{chunk}: "
+                f"{b.per_gpu_goodput_rps:.3f} req/s per GPU  -> DistServe {gain:.1f}x"
+            )
+    return "\n".join(lines)
+
+
+def _plot(spec, plan: Plan, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from distserve.search import build_context
+    from distserve.search.curves import attainment_curves
+
+    ctx = build_context(spec)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for curve in attainment_curves(ctx, plan):
+        ax.plot(curve.per_gpu_rate_rps, [100 * a for a in curve.attainment], marker="o", label=curve.label)
+    ax.axhline(100 * plan.attainment_target, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("rate per GPU (req/s)")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_title(f"{plan.model}: TTFT {plan.ttft_slo_s} s, TPOT {plan.tpot_slo_s} s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
