@@ -143,7 +143,7 @@ def _iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Ten
             continue  # e.g. rope_freqs: recomputed from the config
         array = gguf.quants.dequantize(t.data, t.tensor_type)
         shape = tuple(reversed([int(n) for n in t.shape]))  # GGUF lists dims fastest-first
-        weight = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape)
+        weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
         if name.endswith("q_proj.weight"):
             weight = unpermute_rotary(weight, config.num_heads)
         elif name.endswith("k_proj.weight"):

@@ -60,6 +60,7 @@ class ModelConfig:
     @classmethod
     def _from_hf_llama_like(cls, arch: str, hf: dict[str, Any]) -> ModelConfig:
         num_heads = hf["num_attention_heads"]
+        rope = hf.get("rope_parameters") or {}  # transformers >= 5 folds rope_scaling in here
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -71,9 +72,8 @@ class ModelConfig:
             max_position=hf.get("max_position_embeddings", 2048),
             head_dim=hf.get("head_dim") or 0,
             norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=hf.get("rope_theta")
-            or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0),
-            rope_scaling=hf.get("rope_scaling"),
+            rope_theta=hf.get("rope_theta") or rope.get("rope_theta", 10000.0),
+            rope_scaling=hf.get("rope_scaling") or rope or None,
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", False),
             activation=hf.get("hidden_act", "silu"),
