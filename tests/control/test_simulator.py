@@ -1,0 +1,127 @@
+"""The simulator against queueing theory and against what a user expects of each engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import make_instance, make_trace
+
+from distserve.simulator import SLO, TransferModel, simulate_colocated, simulate_disaggregated
+
+PROMPT = 512
+D_S = 0.1  # execution time of one 512-token prompt on one GPU (prefill_s_per_token * 512)
+
+
+def mean_ttft(trace, prefill) -> float:
+    """Mean TTFT of a prefill-only trial, one prompt per batch."""
+    result = simulate_disaggregated(
+        trace, prefill, [], transfer=None, max_prefill_tokens=PROMPT
+    )
+    return float(np.mean(result.ttft_s))
+
+
+def md1_ttft(rate: float, d: float) -> float:
+    """Eq. 1: D + R D^2 / (2 (1 - R D))."""
+    return d + rate * d * d / (2 * (1 - rate * d))
+
+
+def inter_op_ttft(rate: float, d: float) -> float:
+    """Eq. 2: 2-way inter-op, D_s = D, D_m = D / 2."""
+    return d + rate * d * d / (4 * (2 - rate * d))
+
+
+def intra_op_ttft(rate: float, d: float, k: float) -> float:
+    """Eq. 3: 2-way intra-op with speedup K."""
+    return d / k + rate * d * d / (2 * k * (k - rate * d))
+
+
+@pytest.mark.parametrize("utilisation", [0.5, 0.8])
+def test_single_prefill_instance_is_an_md1_queue(utilisation):
+    rate = utilisation / D_S
+    trace = make_trace(60000, rate, prompt_tokens=PROMPT, output_tokens=1, seed=1)
+    simulated = mean_ttft(trace, [make_instance(prefill_s_per_token=D_S / PROMPT)])
+    assert simulated == pytest.approx(md1_ttft(rate, D_S), rel=0.03)
+
+
+def test_intra_op_wins_at_low_rate_and_inter_op_at_high_rate():
+    k = 1.5
+    inter = [make_instance(pp=2, prefill_s_per_token=D_S / PROMPT)]  # stage time D/2
+    intra = [make_instance(prefill_s_per_token=D_S / k / PROMPT)]  # D/K
+    low, high = 2.0, 12.0  # requests per second; intra-op saturates at K / D = 15
+    results = {}
+    for rate in (low, high):
+        trace = make_trace(40000, rate, prompt_tokens=PROMPT, output_tokens=1, seed=2)
+        results[rate] = (mean_ttft(trace, inter), mean_ttft(trace, intra))
+        assert results[rate][0] == pytest.approx(inter_op_ttft(rate, D_S), rel=0.05)
+        assert results[rate][1] == pytest.approx(intra_op_ttft(rate, D_S, k), rel=0.05)
+    assert results[low][1] < results[low][0]  # intra-op better at low rate
+    assert results[high][0] < results[high][1]  # inter-op better at high rate
+
+
+def run_disaggregated(trace, **kwargs):
+    defaults = dict(transfer=TransferModel(1e5, 1e11), max_prefill_tokens=1024)
+    defaults.update(kwargs)
+    return simulate_disaggregated(trace, [make_instance()], [make_instance()], **defaults)
+
+
+def test_ttft_and_tpot_of_a_lone_request_follow_the_latency_model():
+    trace = make_trace(1, 1.0, prompt_tokens=1000, output_tokens=11)
+    result = run_disaggregated(trace)
+    assert result.ttft_s[0] == pytest.approx(0.1)  # 1000 tokens x 1e-4 s
+    transfer_s = 1000 * 1e5 / 1e11
+    # ten decode steps of 0.02 s + 1e-6 s per context token (1001 ... 1010 tokens)
+    steps_s = sum(0.02 + 1e-6 * (1001 + j) for j in range(10))
+    assert result.tpot_s[0] == pytest.approx((transfer_s + steps_s) / 10)
+
+
+def test_slow_kv_link_raises_tpot_not_ttft():
+    trace = make_trace(200, 2.0, seed=3)
+    fast = run_disaggregated(trace, transfer=TransferModel(1e6, 1e11))
+    slow = run_disaggregated(trace, transfer=TransferModel(1e6, 1e8))
+    assert np.allclose(fast.ttft_s, slow.ttft_s)
+    assert np.nanmean(slow.tpot_s) > 2 * np.nanmean(fast.tpot_s)
+
+
+def test_full_decode_memory_stalls_prefill_instead_of_dropping_requests():
+    trace = make_trace(100, 50.0, prompt_tokens=500, output_tokens=50, seed=4)
+    roomy = simulate_disaggregated(trace, [make_instance()], [make_instance()],
+                                   transfer=None, max_prefill_tokens=1024)
+    tight = simulate_disaggregated(
+        trace, [make_instance(kv_capacity_tokens=2000)], [make_instance(kv_capacity_tokens=1100)],
+        transfer=None, max_prefill_tokens=1024,
+    )
+    assert not np.isnan(tight.tpot_s).any()  # every request still finishes
+    assert np.mean(tight.ttft_s) > 2 * np.mean(roomy.ttft_s)
+
+
+def test_trial_stops_early_once_the_target_is_lost():
+    trace = make_trace(2000, 200.0, seed=5)
+    slo = SLO(ttft_s=0.2, tpot_s=0.05, attainment=0.9)
+    full = run_disaggregated(trace)
+    early = run_disaggregated(trace, slo=slo)
+    assert early.is_stopped_early and not full.is_stopped_early
+    assert early.attainment(slo) < 0.9 and full.attainment(slo) < 0.9
+
+
+def test_per_phase_rule_checks_percentiles_separately():
+    trace = make_trace(300, 3.0, seed=6)
+    result = run_disaggregated(trace)
+    ttft_p80, tpot_p80 = result.percentile_s("ttft", 80), result.percentile_s("tpot", 80)
+    slo = SLO(ttft_p80 * 1.0001, tpot_p80 * 1.0001, 0.8, "per-phase")
+    assert result.attainment(slo) >= 0.8
+    assert result.attainment(SLO(slo.ttft_s, slo.tpot_s, 0.8, "both")) < 0.8
+
+
+def test_prefill_interferes_with_decode_when_colocated():
+    trace = make_trace(300, 4.0, seed=7)
+    colocated = simulate_colocated(trace, [make_instance()])
+    disaggregated = run_disaggregated(trace)
+    assert np.nanpercentile(colocated.tpot_s, 90) > np.nanpercentile(disaggregated.tpot_s, 90)
+
+
+def test_chunked_prefill_slows_ttft_but_smooths_tpot():
+    trace = make_trace(300, 4.0, seed=8)
+    plain = simulate_colocated(trace, [make_instance(prefill_base_s=0.01)])
+    chunked = simulate_colocated(trace, [make_instance(prefill_base_s=0.01)], chunk_size=128)
+    assert np.mean(chunked.ttft_s) > np.mean(plain.ttft_s)
+    assert np.nanpercentile(chunked.tpot_s, 99) < np.nanpercentile(plain.tpot_s, 99)
