@@ -1,0 +1,177 @@
+"""Starts and stops the serving processes of one local deployment.
+
+Each instance is one `python -m distserve_engine.server --role ROLE` process, pinned to
+its own CPU cores (or given its GPUs), and the router is one more in front of them,
+serving the OpenAI API. Two ways to run those processes: plain child processes
+(`backend="process"`), or Ray actors (`backend="ray"`, also `--ray-address` to join a
+cluster), each actor running the same server. Everything started is stopped by
+`stop()` (also on Ctrl-C), in reverse order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+READY_TIMEOUT_S = 300.0  # loading a model on two shared cores can take a while
+STOP_TIMEOUT_S = 10.0
+
+
+class LaunchError(RuntimeError):
+    """A process did not come up; the message holds the tail of its log."""
+
+
+@dataclass
+class ServerProcess:
+    """One serving process: its role, name, port, pinning and command line."""
+
+    role: str
+    name: str
+    port: int
+    cores: list[int] | None
+    argv: list[str] = field(default_factory=list)
+    log_path: Path | None = None
+    handle: Any = None  # subprocess.Popen, or a Ray actor
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def plan_processes(settings: dict[str, Any], config_path: Path, host: str, port: int,
+                   num_cores: int) -> list[ServerProcess]:
+    """The instance processes (ports port+1, ...) then the router on `port`."""
+    procs: list[ServerProcess] = []
+    for role in ("prefill", "decode", "colocated"):
+        for i in range(settings["instances"].get(role, 0)):
+            index = len(procs)
+            cores = [index % num_cores] if num_cores else None
+            procs.append(ServerProcess(role, f"{role}-{i}", port + 1 + index, cores))
+    for proc in procs:
+        proc.argv = ["--config", str(config_path), "--role", proc.role, "--instance", proc.name,
+                     "--host", "127.0.0.1", "--port", str(proc.port)]
+        if proc.cores is not None:
+            proc.argv += ["--cpu-cores", ",".join(map(str, proc.cores))]
+    router = ServerProcess("router", "router-0", port, None)
+    router.argv = ["--config", str(config_path), "--role", "router", "--instance", "router-0",
+                   "--host", host, "--port", str(port)]
+    for role in ("prefill", "decode", "colocated"):
+        urls = [f"{p.name}={p.url}" for p in procs if p.role == role]
+        if urls:
+            router.argv += [f"--{role}-peers", ",".join(urls)]
+    return [*procs, router]
+
+
+class LocalLauncher:
+    """Runs one deployment's processes; a context manager."""
+
+    def __init__(self, settings: dict[str, Any], host: str = "127.0.0.1", port: int = 8000,
+                 backend: str = "process", ray_address: str | None = None,
+                 pin_cores: bool = True) -> None:
+        self.settings = settings
+        self.host, self.port = host, port
+        self.backend = backend
+        self.ray_address = ray_address
+        self.workdir = Path(tempfile.mkdtemp(prefix="distserve-up-"))
+        self.config_path = self.workdir / "serve.json"
+        num_cores = len(os.sched_getaffinity(0)) if pin_cores else 0
+        self.procs = plan_processes(settings, self.config_path, host, port, num_cores)
+        self._ray = None
+
+    @property
+    def url(self) -> str:
+        """The OpenAI API's base URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LocalLauncher:
+        self.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.stop()
+
+    def start(self, progress: Any = print) -> None:
+        """Start the instances, wait until they serve, then the router."""
+        self.config_path.write_text(json.dumps(self.settings, indent=2))
+        if self.backend == "ray":
+            from distserve.local.ray_actors import RayServers
+
+            self._ray = RayServers(self.ray_address, self.settings)
+        instances, router = self.procs[:-1], self.procs[-1]
+        for proc in instances:
+            self._spawn(proc)
+        for proc in instances:
+            self._wait_ready(proc, "/health")
+            progress(f"{proc.name} ready at {proc.url} (cores {proc.cores or 'any'})")
+        self._spawn(router)
+        self._wait_ready(router, "/health")
+        progress(f"router ready: OpenAI API at http://{self.host}:{self.port}/v1")
+
+    def _spawn(self, proc: ServerProcess) -> None:
+        proc.log_path = self.workdir / f"{proc.name}.log"
+        if self._ray is not None:
+            proc.handle = self._ray.spawn(proc)
+            return
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(proc.log_path, "wb") as log:
+            proc.handle = subprocess.Popen(
+                [sys.executable, "-m", "distserve_engine.server", *proc.argv],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def _is_alive(self, proc: ServerProcess) -> bool:
+        if self._ray is not None:
+            return self._ray.is_alive(proc)
+        return proc.handle.poll() is None
+
+    def _wait_ready(self, proc: ServerProcess, path: str) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if not self._is_alive(proc):
+                raise LaunchError(f"{proc.name} exited while starting:\n{self._log_tail(proc)}")
+            try:
+                if httpx.get(proc.url + path, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise LaunchError(f"{proc.name} not ready after {READY_TIMEOUT_S:.0f} s:\n{self._log_tail(proc)}")
+
+    def _log_tail(self, proc: ServerProcess, num_lines: int = 30) -> str:
+        if proc.log_path is None or not proc.log_path.exists():
+            return "(no log)"
+        return "\n".join(proc.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+
+    def stop(self) -> None:
+        """Stop every process started, router first."""
+        for proc in reversed(self.procs):
+            if proc.handle is None:
+                continue
+            if self._ray is not None:
+                self._ray.kill(proc)
+            else:
+                _terminate(proc.handle)
+            proc.handle = None
+        if self._ray is not None:
+            self._ray.shutdown()
+            self._ray = None
+
+
+def _terminate(popen: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after STOP_TIMEOUT_S."""
+    if popen.poll() is not None:
+        return
+    popen.terminate()
+    try:
+        popen.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait()

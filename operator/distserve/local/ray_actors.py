@@ -1,0 +1,77 @@
+"""Serving processes as Ray actors: each actor runs one `distserve_engine.server`.
+
+An instance actor asks Ray for `tp * pp` GPUs on a GPU deployment, or one CPU (and pins
+itself to its core with `--cpu-cores`) on the CPU; the router actor asks for none. Ray
+is imported only here, when `distserve up --backend ray` or `--ray-address` is used.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def _server_actor_class(ray: Any) -> Any:
+    @ray.remote
+    class ServerActor:
+        """Runs `python -m distserve_engine.server ARGV` inside the actor's process."""
+
+        def run(self, argv: list[str]) -> int:
+            from distserve_engine.server.__main__ import main
+
+            return main(argv)
+
+    return ServerActor
+
+
+class RayServers:
+    """Spawns and kills server actors on a local or existing Ray cluster."""
+
+    def __init__(self, address: str | None, settings: dict[str, Any]) -> None:
+        import ray
+
+        self.ray = ray
+        self.is_owner = not ray.is_initialized()
+        if self.is_owner:
+            if address:
+                ray.init(address=address)
+            else:
+                ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
+                         log_to_driver=False)
+        self.actor_class = _server_actor_class(ray)
+        self.is_gpu = settings["engine"]["device"].startswith("cuda")
+        engine = settings["engine"]
+        self.num_gpus_per_instance = engine.get("tp", 1) * engine.get("pp", 1)
+        self._proc_to_ref: dict[str, Any] = {}
+
+    def spawn(self, proc: Any) -> Any:
+        """Start the actor and its server; return the actor handle."""
+        if proc.role == "router":
+            options = {"num_cpus": 0}
+        elif self.is_gpu:
+            options = {"num_cpus": 0, "num_gpus": self.num_gpus_per_instance}
+        else:
+            options = {"num_cpus": 1}
+        actor = self.actor_class.options(name=f"distserve-{proc.name}", **options).remote()
+        self._proc_to_ref[proc.name] = actor.run.remote(proc.argv)
+        return actor
+
+    def is_alive(self, proc: Any) -> bool:
+        """False once the actor's server returned or the actor died."""
+        ref = self._proc_to_ref.get(proc.name)
+        if ref is None:
+            return False
+        ready, _ = self.ray.wait([ref], timeout=0)
+        return not ready
+
+    def kill(self, proc: Any) -> None:
+        """Kill the actor (its server dies with it)."""
+        self.ray.kill(proc.handle)
+        self._proc_to_ref.pop(proc.name, None)
+
+    def shutdown(self) -> None:
+        """Disconnect from Ray; stop it if this launcher started it."""
+        if self.is_owner:
+            self.ray.shutdown()

