@@ -24,6 +24,7 @@ from distserve.search.goodput import Goodput
 from distserve.search.trials import Config, SearchContext, Unit, phase_goodput, unit_goodput
 
 MAX_INSTANCES_PER_UNIT = 8
+MAX_RESIZES = 3  # Algorithm 1: joint re-simulations while growing the counts to the rate
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,18 @@ def algorithm1(
     else:
         n_p, n_d, _ = balance(gp, cp[0] * cp[1], gd, cd[0] * cd[1], cluster.num_gpus)
         n_p, n_d = max(n_p, 1), max(n_d, 1)
-    unit = Unit(cp, cd, n_p, n_d, ctx.inter_node_bytes_per_s)
-    progress(f"algorithm 1: prefill tp{cp[0]}pp{cp[1]} x{n_p}, decode tp{cd[0]}pp{cd[1]} x{n_d}")
-    (joint,) = pmap(unit_goodput, [(ctx, unit)])
+    for _ in range(MAX_RESIZES):
+        unit = Unit(cp, cd, n_p, n_d, ctx.inter_node_bytes_per_s)
+        progress(f"algorithm 1: prefill tp{cp[0]}pp{cp[1]} x{n_p}, decode tp{cd[0]}pp{cd[1]} x{n_d}")
+        (joint,) = pmap(unit_goodput, [(ctx, unit)])
+        if not rate_rps or joint.rate_rps >= rate_rps or joint.rate_rps <= 0:
+            break
+        # NOTE: both phases together miss more requests than either alone, so the
+        # per-phase counts may fall short of the rate; grow both in proportion.
+        scale = rate_rps / joint.rate_rps
+        n_p, n_d = math.ceil(n_p * scale), math.ceil(n_d * scale)
+        if n_p * cp[0] * cp[1] + n_d * cd[0] * cd[1] > cluster.num_gpus:
+            break
     return UnitChoice(unit, 1, joint)
 
 

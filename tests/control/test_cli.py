@@ -1,0 +1,80 @@
+"""`distserve plan` and `distserve simulate` as a user runs them (in-process)."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from distserve.cli import main
+
+
+def write_spec(tmp_path, **spec_overrides) -> str:
+    """A small OPT-13B manifest on one node of 4 A100s; returns its path."""
+    spec = {
+        "model": {"name": "facebook/opt-13b"},
+        "slo": {"ttftSeconds": 0.4, "tpotSeconds": 0.1},
+        "cluster": {"nodes": 1, "gpusPerNode": 4, "accelerator": "A100-80GB"},
+        "planner": {"numRequests": 100, "workers": 1},
+    }
+    spec.update(spec_overrides)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "distserve.io/v1alpha1", "kind": "DistServeDeployment",
+        "metadata": {"name": "opt-13b-test"}, "spec": spec,
+    }))
+    return str(path)
+
+
+def test_plan_json_is_one_object_with_the_plan_and_baselines(tmp_path, capsys):
+    assert main(["plan", "-f", write_spec(tmp_path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    for key in ("num_gpus", "per_gpu_goodput_rps", "attainment", "search_seconds"):
+        assert key in doc
+    assert doc["prefill"]["tp"] >= 1 and doc["decode"]["instances"] >= 1
+    assert doc["baselines"]["colocated"]["per_gpu_goodput_rps"] > 0
+    assert "algorithm 2" in err  # progress went to stderr
+
+
+def test_plan_table_shows_placement_latency_and_baselines(tmp_path, capsys):
+    assert main(["plan", "-f", write_spec(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for text in ("goodput", "TTFT", "TPOT", "node-0", "colocated", "chunked_prefill"):
+        assert text in out
+
+
+def test_invalid_spec_names_the_field_and_exits_2(tmp_path, capsys):
+    path = write_spec(tmp_path, slo={"ttftSeconds": -1, "tpotSeconds": 0.1})
+    assert main(["plan", "-f", path]) == 2
+    err = capsys.readouterr().err
+    assert "spec.slo.ttftSeconds" in err and "Traceback" not in err
+
+
+def test_unknown_model_is_a_spec_error(tmp_path, capsys):
+    assert main(["plan", "-f", write_spec(tmp_path, model={"name": "no-such-model"})]) == 2
+    assert "spec.model.name" in capsys.readouterr().err
+
+
+def test_unattainable_slo_exits_nonzero_with_best_attainment(tmp_path, capsys):
+    path = write_spec(tmp_path, slo={"ttftSeconds": 0.001, "tpotSeconds": 0.1})
+    assert main(["plan", "-f", path]) == 1
+    err = capsys.readouterr().err
+    assert "no feasible plan" in err and "best attainment found" in err
+
+
+def test_simulate_summarises_and_writes_csv(tmp_path, capsys):
+    csv_path = tmp_path / "requests.csv"
+    code = main(["simulate", "-f", write_spec(tmp_path), "--rate", "2",
+                 "--prefill", "1x1x1", "--decode", "1x1x1", "--csv", str(csv_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "attainment" in out and "TPOT" in out
+    rows = csv_path.read_text().splitlines()
+    assert rows[0].startswith("req_id,arrival_s") and len(rows) == 121  # 2 req/s x 60 s + header
+
+
+def test_simulate_refuses_a_placement_that_does_not_fit(tmp_path, capsys):
+    path = write_spec(tmp_path, model={"name": "facebook/opt-66b"})
+    assert main(["simulate", "-f", path, "--rate", "1", "--prefill", "1x1x1", "--decode", "1x1x1"]) == 1
+    assert "does not fit" in capsys.readouterr().err

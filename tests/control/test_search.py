@@ -1,0 +1,106 @@
+"""The placement search: goodput bisection, Algorithms 1 and 2, GPU assignment, failures."""
+
+from __future__ import annotations
+
+import pytest
+
+from distserve.search import NoFeasiblePlan, find_goodput, plan_deployment
+from distserve.search.algorithms import balance
+from distserve.simulator import SLO
+from distserve.spec import DistServeDeploymentSpec
+
+
+def make_spec(**overrides) -> DistServeDeploymentSpec:
+    """OPT-13B chatbot on one node of 4 A100s, small trials, one worker."""
+    doc = {
+        "model": {"name": "facebook/opt-13b"},
+        "slo": {"ttftSeconds": 0.4, "tpotSeconds": 0.1},
+        "cluster": {"nodes": 1, "gpusPerNode": 4, "accelerator": "A100-80GB"},
+        "planner": {"numRequests": 100, "workers": 1},
+    }
+    for key, value in overrides.items():
+        doc[key] = {**doc.get(key, {}), **value} if isinstance(value, dict) else value
+    return DistServeDeploymentSpec.model_validate(doc)
+
+
+class _Trial:
+    """A fake trial whose attainment drops below 90% above a known rate."""
+
+    def __init__(self, limit_rps: float) -> None:
+        self.limit_rps = limit_rps
+
+    def __call__(self, rate, slo):
+        ok = 1.0 if rate <= self.limit_rps else 0.5
+
+        class Result:
+            def attainment(self, _slo):
+                return ok
+
+        return Result()
+
+
+@pytest.mark.parametrize("estimate", [0.1, 3.0, 500.0])
+def test_bisection_finds_the_rate_where_attainment_drops(estimate):
+    goodput = find_goodput(_Trial(7.3), SLO(1.0, 1.0, 0.9), estimate)
+    assert 7.3 * 0.97 <= goodput.rate_rps <= 7.3
+
+
+def test_unattainable_slo_has_zero_goodput():
+    goodput = find_goodput(lambda rate, slo: _Trial(-1.0)(rate, slo), SLO(1, 1, 0.9), 1.0)
+    assert goodput.rate_rps == 0.0 and goodput.attainment == 0.5
+
+
+def test_balance_gives_the_slower_phase_more_instances():
+    n_prefill, n_decode, bound = balance(10.0, 1, 4.0, 1, max_gpus=8)
+    assert (n_prefill, n_decode) == (2, 5) and bound == 20.0
+
+
+def test_low_affinity_plan_pins_matching_stages_to_one_node():
+    plan = plan_deployment(make_spec())
+    assert plan.algorithm == "low-affinity"
+    assert 0 < plan.num_gpus <= 4 and plan.per_gpu_goodput_rps > 0
+    assert plan.attainment >= 0.9
+    taken = [(s.node, g) for s in plan.segments for g in s.gpu_ids]
+    assert len(taken) == len(set(taken)) == plan.num_gpus
+    assert {s.node for s in plan.segments} == {"node-0"}
+    assert set(plan.baselines) == {"colocated", "chunked_prefill"}
+    assert all(b.per_gpu_goodput_rps > 0 for b in plan.baselines.values())
+
+
+@pytest.mark.slow
+def test_high_affinity_sizes_instances_for_the_rate():
+    small = plan_deployment(make_spec(
+        cluster={"nodes": 2, "nodeAffinity": "high"}, workload={"rateRps": 2.0}))
+    large = plan_deployment(make_spec(
+        cluster={"nodes": 2, "nodeAffinity": "high"}, workload={"rateRps": 20.0}))
+    assert small.algorithm == large.algorithm == "high-affinity"
+    assert large.num_gpus > small.num_gpus
+    assert large.goodput_rps > small.goodput_rps
+
+
+def test_fixed_placement_is_simulated_not_searched():
+    plan = plan_deployment(make_spec(placement={
+        "prefill": {"tp": 2, "pp": 1, "instances": 1}, "decode": {"tp": 1, "pp": 1, "instances": 2},
+    }))
+    assert plan.algorithm == "fixed"
+    assert (plan.prefill.tp, plan.prefill.instances, plan.decode.instances) == (2, 1, 2)
+    assert plan.num_gpus == 4 and plan.goodput_rps > 0
+
+
+def test_model_that_fits_nowhere_says_so():
+    with pytest.raises(NoFeasiblePlan) as err:
+        plan_deployment(make_spec(model={"name": "facebook/opt-175b"}, cluster={"gpusPerNode": 2}))
+    assert "fits no placement" in err.value.reason and err.value.best_attainment == 0.0
+
+
+def test_unattainable_slo_reports_the_best_attainment():
+    with pytest.raises(NoFeasiblePlan) as err:
+        plan_deployment(make_spec(slo={"ttftSeconds": 0.001}))
+    assert "no request rate meets" in err.value.reason
+    assert 0.0 <= err.value.best_attainment < 0.9
+
+
+def test_cluster_too_small_for_the_rate():
+    with pytest.raises(NoFeasiblePlan) as err:
+        plan_deployment(make_spec(workload={"rateRps": 5000.0}))
+    assert "GPUs" in err.value.reason
