@@ -14,7 +14,7 @@ import numpy as np
 
 from distserve.catalog import get_model
 from distserve.latency import get_latency_model, kv_capacity_tokens, prefill_saturation_tokens
-from distserve.search.goodput import Goodput, find_goodput
+from distserve.search.goodput import REL_TOL, Goodput, find_goodput
 from distserve.simulator import (
     SLO,
     InstanceModel,
@@ -28,6 +28,7 @@ from distserve.simulator import (
 
 Config = tuple[int, int]  # (tp, pp) of one instance
 INFINITE_S = float("inf")
+PHASE_REL_TOL = 0.08
 
 
 @dataclass(frozen=True)
@@ -152,13 +153,15 @@ def _capacity_rps(ctx: SearchContext, config: Config, engine: str) -> float:
     return min(1.0 / per_request_s, decode_rps)
 
 
-def unit_goodput(ctx: SearchContext, unit: Unit, slo: SLO | None = None) -> Goodput:
+def unit_goodput(
+    ctx: SearchContext, unit: Unit, slo: SLO | None = None, rel_tol: float = REL_TOL
+) -> Goodput:
     """Goodput of a unit under slo (default: the context's)."""
     slo = slo or ctx.slo
     config = unit.prefill if unit.n_prefill else unit.decode
     count = unit.n_prefill or unit.n_decode
     estimate = 0.5 * count * _capacity_rps(ctx, config, "disaggregated")
-    return find_goodput(lambda rate, s: run_unit(ctx, unit, rate, s), slo, estimate)
+    return find_goodput(lambda rate, s: run_unit(ctx, unit, rate, s), slo, estimate, rel_tol)
 
 
 def phase_goodput(ctx: SearchContext, phase: str, config: Config) -> Goodput:
@@ -171,7 +174,9 @@ def phase_goodput(ctx: SearchContext, phase: str, config: Config) -> Goodput:
     else:
         unit = Unit(config, config, 0, 1, ctx.intra_node_bytes_per_s)
         phase_slo = SLO(INFINITE_S, slo.tpot_s, slo.attainment, slo.rule)
-    return unit_goodput(ctx, unit, phase_slo)
+    # NOTE: phase goodputs only rank and size candidates, whose joint goodput is then
+    # bisected to REL_TOL, so a coarser bracket is enough here.
+    return unit_goodput(ctx, unit, phase_slo, PHASE_REL_TOL)
 
 
 def baseline_goodput(ctx: SearchContext, name: str, config: Config) -> Goodput:
