@@ -47,3 +47,58 @@ def build_tiny_llama(folder) -> str:
 def tiny_llama(tmp_path_factory) -> str:
     """Path of the tiny random Llama checkpoint."""
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+class ServerThread:
+    """An app served by uvicorn in a thread on a free port."""
+
+    def __init__(self, app) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        import time
+
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def make_settings(model: str, **overrides):
+    """Serving settings of the tiny model: 1 prefill + 1 decode unless overridden."""
+    from distserve_engine.server.settings import ServeSettings
+
+    doc = {"engine": {"model": model, "num_blocks": 64}, "model_name": "tiny",
+           "deployment": "test", "max_prefill_tokens": 64, "max_decode_batch": 4,
+           "slo": {"ttft_s": 5.0, "tpot_s": 1.0}, "instances": {"prefill": 1, "decode": 1}}
+    doc.update(overrides)
+    return ServeSettings.from_dict(doc)
+
+
+@pytest.fixture
+def deployment(tiny_llama):
+    """Router + 1 prefill + 1 decode in this process, served over HTTP; yields (url, instances)."""
+    from distserve_engine.server import assembly
+
+    settings = make_settings(tiny_llama)
+    router, instances, runner = assembly.build_in_process(settings)
+    app = assembly.build_frontend_app(settings, router, runner.tokenizer, runner.max_model_len)
+    with ServerThread(app) as server:
+        yield server.url, {i.role: i for i in instances}
+    for instance in instances:
+        instance.stop()
