@@ -70,14 +70,8 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()}; cores: {sorted(os.sched_getaffinity(0))}")
     print(f"SLOs: TTFT <= {TTFT_SLO_S} s, TPOT <= {TPOT_SLO_S} s, target {TARGET:.0%}; prompts "
           f"{PROMPT_TOKENS} tokens, outputs {OUTPUT_TOKENS}; {args.requests} requests per rate")
-    from distserve.plan import PhaseConfig
-
-    class _P:  # the fixed 1 + 1 placement as the settings builder reads it
-        prefill = PhaseConfig(1, 1, 1)
-        decode = PhaseConfig(1, 1, 1)
-
-    disagg = serve_settings(spec, _P, "bench", path)
-    coloc = serve_settings(spec, None, "bench", path, num_colocated=2)
+    disagg = serve_settings(spec, {"prefill": 1, "decode": 1}, "bench", path)
+    coloc = serve_settings(spec, {"colocated": 2}, "bench", path)
     g_d = run_config("disaggregated", disagg, rates, args.requests)
     g_c = run_config("colocated x2", coloc, rates, args.requests)
     ratio = f"{g_d / g_c:.2f}x" if g_c else "n/a (colocated met the target at no rate tried)"

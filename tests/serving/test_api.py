@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
+from serving_helpers import ServerThread, make_settings, wait_until
 
 
 def sse_docs(text: str) -> list:
@@ -86,16 +86,6 @@ def test_unknown_model_is_404(deployment):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
-def wait_until(predicate, timeout_s: float = 30.0) -> bool:
-    """Poll until predicate() (bounded, so a bug fails instead of hanging)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_client_disconnect_frees_kv(deployment):
     url, instances = deployment
     decode = instances["decode"]
@@ -128,8 +118,6 @@ def test_metrics_use_vllm_and_distserve_names(deployment):
 
 
 def test_overload_is_429_with_retry_after(tiny_llama):
-    from conftest import ServerThread, make_settings
-
     from distserve_engine.server import assembly
 
     settings = make_settings(tiny_llama, max_waiting_requests=0)

@@ -3,7 +3,8 @@
 Plans the spec (or takes its fixed placement), starts one process per instance (each
 pinned to its own CPU core, or given its GPUs) and the router in front of them, and
 serves until Ctrl-C, which stops everything it started. `--demo` instead drives about
-a minute of the spec's workload at the planner's goodput rate with a progress bar,
+a minute of the spec's workload (at `--rate`, else `workload.rateRps`, else the planner's
+goodput) with a progress bar,
 prints TTFT/TPOT percentiles, SLO attainment and goodput beside the planner's
 prediction, and stops. `--colocated N` runs N colocated instances (the baseline).
 """
@@ -45,7 +46,12 @@ def _log(message: str) -> None:
 def run(args) -> int:
     """Plan, launch, then serve until Ctrl-C (or run the demo)."""
     from distserve.local.launcher import LaunchError, LocalLauncher
-    from distserve.local.settings import find_model_path, resolve_paths, serve_settings
+    from distserve.local.settings import (
+        find_model_path,
+        instance_counts,
+        resolve_paths,
+        serve_settings,
+    )
     from distserve.search import NoFeasiblePlan, plan_deployment
 
     manifest = load_manifest(args.file)
@@ -58,11 +64,16 @@ def run(args) -> int:
         _log(f"plan: {plan.prefill.instances} prefill + {plan.decode.instances} decode instance(s), "
              f"predicted goodput {plan.goodput_rps:.2f} req/s at {plan.attainment:.0%} attainment")
     except NoFeasiblePlan as err:
-        if not args.colocated:
+        if not (args.colocated or spec.placement):
             print(f"error: no feasible plan: {err}", file=sys.stderr)
             return 1
-    settings = serve_settings(spec, None if args.colocated else plan, manifest.metadata.name,
-                              model_path, num_colocated=args.colocated)
+        _log(f"planner: no feasible plan ({err}); running the spec's placement")
+    except ValueError as err:  # the planner cannot model this spec (e.g. an unknown model)
+        if not (args.colocated or spec.placement):
+            raise
+        _log(f"planner: no prediction ({err}); running the spec's placement")
+    instances = instance_counts(spec, plan, args.colocated)
+    settings = serve_settings(spec, instances, manifest.metadata.name, model_path)
     backend = "ray" if args.ray_address else args.backend
     launcher = LocalLauncher(settings, args.host, args.port, backend, args.ray_address)
     try:
@@ -88,7 +99,7 @@ def _demo(args, spec, plan, launcher) -> int:
     from distserve.local.report import format_summary, summarize
     from distserve.workload import make_workload
 
-    rate_rps = args.rate or (plan.goodput_rps if plan else 1.0)
+    rate_rps = args.rate or spec.workload.rate_rps or (plan.goodput_rps if plan else 1.0)
     workload = make_workload(spec.workload.dataset, spec.workload.trace_path, spec.workload.arrival
                              if spec.workload.arrival != "trace" else "poisson", spec.workload.cv)
     num_requests = max(5, int(rate_rps * args.duration))

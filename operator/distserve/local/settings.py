@@ -47,18 +47,26 @@ def engine_device(spec: DistServeDeploymentSpec) -> str:
     return "cpu" if spec.cluster.accelerator.upper() == "CPU" else "cuda"
 
 
-def serve_settings(spec: DistServeDeploymentSpec, plan: Plan | None, deployment: str,
-                   model_path: str, num_colocated: int = 0) -> dict[str, Any]:
+def instance_counts(spec: DistServeDeploymentSpec, plan: Plan | None,
+                    num_colocated: int = 0) -> dict[str, int]:
+    """Instances per role: colocated ones (baseline), else the plan's, else the spec's placement."""
+    if num_colocated:
+        return {"colocated": num_colocated}
+    if plan is not None:
+        return {"prefill": plan.prefill.instances, "decode": plan.decode.instances}
+    if spec.placement is not None:
+        return {"prefill": spec.placement.prefill.instances, "decode": spec.placement.decode.instances}
+    raise SpecError("spec.placement: needed when the planner gives no plan")
+
+
+def serve_settings(spec: DistServeDeploymentSpec, instances: dict[str, int], deployment: str,
+                   model_path: str) -> dict[str, Any]:
     """The settings document of every process of this deployment."""
     device = engine_device(spec)
     max_model_len = spec.model.max_model_len or (DEFAULT_CPU_MAX_MODEL_LEN if device == "cpu" else None)
     engine = {"model": model_path, "device": device, "dtype": spec.model.dtype,
               "block_size": spec.engine.block_size, "max_model_len": max_model_len,
               "seed": spec.planner.seed}
-    if plan is not None:
-        instances = {"prefill": plan.prefill.instances, "decode": plan.decode.instances}
-    else:
-        instances = {"colocated": num_colocated}
     num_prefill = instances.get("prefill", 0) or instances.get("colocated", 1)
     return {
         "deployment": deployment,
