@@ -34,6 +34,7 @@ def test_plan_json_is_one_object_with_the_plan_and_baselines(tmp_path, capsys):
         assert key in doc
     assert doc["prefill"]["tp"] >= 1 and doc["decode"]["instances"] >= 1
     assert doc["baselines"]["colocated"]["per_gpu_goodput_rps"] > 0
+    assert doc["latency_source"]["source"] == "profile" and doc["latency_source"]["tps"] == [1, 2, 4]
     assert "algorithm 2" in err  # progress went to stderr
 
 
@@ -42,6 +43,7 @@ def test_plan_table_shows_placement_latency_and_baselines(tmp_path, capsys):
     out = capsys.readouterr().out
     for text in ("goodput", "TTFT", "TPOT", "node-0", "colocated", "chunked_prefill"):
         assert text in out
+    assert "latency      profile a100-opt-profile.json (tp 1, 2, 4 only)" in out
 
 
 def test_invalid_spec_names_the_field_and_exits_2(tmp_path, capsys):

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from distserve.latency import (
+    choose_source,
     get_latency_model,
     kv_capacity_tokens,
     load_profile,
@@ -64,9 +65,19 @@ def test_dispatch_overhead_is_added_per_iteration():
 def test_auto_uses_the_profile_where_it_has_the_point():
     assert get_latency_model("facebook/opt-66b", "a100", 4, 1).source == "profile"
     assert get_latency_model("opt-66b", "a100", 4, 1, engine="colocated").source == "profile"
-    assert get_latency_model("opt-66b", "a100", 1, 4).source == "analytic"  # tp 1 not profiled
     assert get_latency_model("opt-175b", "a100", 8, 1).source == "analytic"
     assert get_latency_model("opt-66b", "H100", 4, 1).source == "analytic"  # other GPU
+
+
+def test_auto_never_mixes_sources_for_a_profiled_model():
+    choice = choose_source("opt-66b", "A100")
+    assert (choice.source, choice.tps) == ("profile", (2, 3, 4, 8))
+    assert choose_source("opt-13b", "A100").tps == (1, 2, 4)
+    assert choose_source("opt-66b", "H100").source == "analytic"
+    assert choose_source("opt-175b", "A100").tps is None
+    with pytest.raises(ValueError, match="from its profile only"):
+        get_latency_model("opt-66b", "a100", 1, 4)  # tp 1 is not profiled: no analytic fallback
+    assert get_latency_model("opt-66b", "a100", 1, 4, source="analytic").source == "analytic"
 
 
 def test_profile_source_names_what_is_missing():

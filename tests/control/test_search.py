@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from distserve.search import NoFeasiblePlan, find_goodput, plan_deployment
+from distserve.catalog import get_model
+from distserve.search import NoFeasiblePlan, build_context, find_goodput, plan_deployment
 from distserve.search.algorithms import balance
+from distserve.search.candidates import ClusterShape, instance_configs, segment_configs
 from distserve.simulator import SLO
 from distserve.spec import DistServeDeploymentSpec
 
@@ -104,3 +106,21 @@ def test_cluster_too_small_for_the_rate():
     with pytest.raises(NoFeasiblePlan) as err:
         plan_deployment(make_spec(workload={"rateRps": 5000.0}))
     assert "GPUs" in err.value.reason
+
+
+@pytest.mark.parametrize(("source", "tps"), [("auto", {1, 2, 4}), ("analytic", {1, 2, 4, 5, 8})])
+def test_a_profiled_model_is_searched_at_its_profiled_degrees_only(source, tps):
+    ctx = build_context(make_spec(planner={"latencyModel": source}))
+    model, cluster = get_model(ctx.model), ClusterShape(1, 8, 1)
+    configs = instance_configs(model, ctx.accelerator, cluster, 2048, ctx.latency)
+    assert {tp for tp, _ in configs} == tps  # Algorithm 1 and the baselines
+    segments = segment_configs(model, ctx.accelerator, cluster, 1, 2048, ctx.latency)
+    assert {tp for tp, _ in segments} == tps - {8}  # Algorithm 2 leaves a GPU to the other phase
+
+
+def test_fixed_placement_at_an_unprofiled_degree_is_refused_under_auto():
+    spec = make_spec(cluster={"gpusPerNode": 8}, placement={
+        "prefill": {"tp": 5, "pp": 1, "instances": 1}, "decode": {"tp": 1, "pp": 1, "instances": 1},
+    })
+    with pytest.raises(NoFeasiblePlan, match="latencyModel: analytic"):
+        plan_deployment(spec)

@@ -1,8 +1,9 @@
 """`distserve plan -f SPEC`: search the placement and show it, or print it as JSON.
 
 Progress goes to stderr while the search runs; the chosen plan, its predicted
-goodput, attainment and latency percentiles, and the best colocated and
-chunked-prefill plans on the same GPUs go to stdout (one JSON object with --json).
+goodput, attainment and latency percentiles, the latency source every candidate and
+baseline was timed with, and the best colocated and chunked-prefill plans on the same
+GPUs go to stdout (one JSON object with --json, the source under "latency_source").
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import json
 import sys
 import time
 
+from distserve.latency import SourceChoice
 from distserve.plan import Plan
 from distserve.search import NoFeasiblePlan, plan_deployment
+from distserve.search.planner import latency_choice
 from distserve.spec import load_manifest
 
 NAME = "plan"
@@ -32,6 +35,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     """Plan, print, optionally plot; exit 1 when no placement meets the SLOs."""
     manifest = load_manifest(args.file)
+    latency = latency_choice(manifest.spec)
     started = time.perf_counter()
 
     def progress(message: str) -> None:
@@ -43,17 +47,21 @@ def run(args) -> int:
         print(f"error: no feasible plan: {err}", file=sys.stderr)
         return EXIT_NO_PLAN
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
+        doc = {**plan.to_dict(), "latency_source": {
+            "source": latency.source, "tps": list(latency.tps) if latency.tps else None,
+            "profile": latency.profile_path or None, "reason": latency.reason,
+        }}
+        print(json.dumps(doc, indent=2))
     else:
-        print(format_plan(plan, manifest.metadata.name))
+        print(format_plan(plan, manifest.metadata.name, latency))
     if args.plot:
         _plot(manifest.spec, plan, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
-def format_plan(plan: Plan, name: str) -> str:
-    """The human-readable report of a plan."""
+def format_plan(plan: Plan, name: str, latency: SourceChoice | None = None) -> str:
+    """The human-readable report of a plan (and of the latency source, when given)."""
     lines = [
         f"plan for {name}: {plan.model} on {plan.num_gpus} x {plan.accelerator} "
         f"({plan.algorithm}, searched in {plan.search_seconds:.1f} s)",
@@ -70,6 +78,8 @@ def format_plan(plan: Plan, name: str) -> str:
     ]
     if plan.rate_rps:
         lines.append(f"  sized for    {plan.rate_rps} req/s")
+    if latency is not None:
+        lines.append(f"  latency      {latency.describe()}")
     if plan.latency:
         lat = plan.latency
         lines += [

@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 
+from distserve.latency import kv_capacity_tokens
 from distserve.plan import PhaseConfig
 from distserve.search import build_context, resolve_cluster
 from distserve.search.placement import ClusterTooSmall, pair_links, place_fixed
@@ -60,7 +61,9 @@ def run(args) -> int:
     ctx = build_context(spec)
     for role, phase in (("prefill", prefill), ("decode", decode)):
         try:
-            capacity = instance_model(ctx, "disaggregated", (phase.tp, phase.pp)).kv_capacity_tokens
+            capacity = kv_capacity_tokens(ctx.model, ctx.accelerator, phase.tp, phase.pp)
+            if capacity > 0:
+                instance_model(ctx, "disaggregated", (phase.tp, phase.pp))
         except ValueError as err:
             return _fail(f"{role} tp={phase.tp} pp={phase.pp}: {err}")
         if capacity <= 0:
@@ -96,6 +99,7 @@ def _summary(ctx, prefill: PhaseConfig, decode: PhaseConfig, rate: float, result
     return "\n".join([
         f"{ctx.model} on {ctx.accelerator}: prefill tp{prefill.tp} pp{prefill.pp} x{prefill.instances}, "
         f"decode tp{decode.tp} pp{decode.pp} x{decode.instances} ({prefill.num_gpus + decode.num_gpus} GPUs)",
+        f"  latency      {ctx.latency.describe()}",
         f"  rate         {rate} req/s, {n} requests over {result.duration_s:.1f} s simulated",
         f"  attainment   {result.attainment(slo):.1%} (TTFT <= {slo.ttft_s} s and TPOT <= {slo.tpot_s} s, "
         f"target {slo.attainment:.0%}, rule {slo.rule})",

@@ -1,12 +1,27 @@
 """Latency models: seconds per iteration of a pipeline stage, for (model, accelerator, tp, pp).
 
-`get_latency_model` picks the source: a profiled table where one covers the point
-("profile"), the paper's Appendix A roofline model elsewhere ("analytic"). Also here:
-KV capacity per instance and Lm, the prefill batch size that saturates the accelerator.
+One rule decides the source, per (model, accelerator), in `choose_source`:
+- "auto": when a profile covers the (model, accelerator) for the disaggregated engine,
+  everything about that model is timed from the profile and only its profiled
+  tensor-parallel degrees are allowed (those profiled for the colocated engine too,
+  when the profile has it: the baselines are then timed from the same table; a
+  profile without colocated rows cannot time the baselines, and they are left out);
+  otherwise (OPT-175B, Llama, H100, ...) the paper's Appendix A analytic model times
+  every degree of both engines;
+- "profile": as auto, but a model the profile does not cover is an error;
+- "analytic": never reads a profile; any degree.
+NOTE: a model is never timed by the profile at some degrees and by the analytic model
+at others: the analytic model is ~20-40% off the profile at some points, so mixing the
+two inside one search would bias which candidate wins and DistServe's gain over the
+baselines. This is also how the authors' simulator works (profiled degrees only).
+
+`get_latency_model` builds the model for one point under that rule. Also here: KV
+capacity per instance and Lm, the prefill batch size that saturates the accelerator.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from distserve.catalog import Accelerator, ModelArch, get_accelerator, get_model
@@ -29,6 +44,65 @@ SATURATION_STEP_TOKENS = 128
 SATURATION_MAX_TOKENS = 16384
 
 
+@dataclass(frozen=True)
+class SourceChoice:
+    """The latency source of one (model, accelerator) and the tp degrees it allows."""
+
+    source: str  # "profile" or "analytic"
+    tps: tuple[int, ...] | None  # the only tensor-parallel degrees allowed; None: any
+    profile_path: str  # the profile read ("" for the analytic model)
+    reason: str  # why this source, in words
+    engines: tuple[str, ...] = ENGINES  # the engines it times (a profile may lack colocated)
+
+    def allows(self, tp: int) -> bool:
+        """Whether instances of this tensor-parallel degree may be timed."""
+        return self.tps is None or tp in self.tps
+
+    def can_time(self, engine: str) -> bool:
+        """Whether this source times the engine ("disaggregated" or "colocated")."""
+        return engine in self.engines
+
+    def describe(self) -> str:
+        """One line for a user: the source, the degrees and why."""
+        if self.source == "profile":
+            tps = ", ".join(map(str, self.tps or ()))
+            return f"profile {Path(self.profile_path).name} (tp {tps} only): {self.reason}"
+        return f"analytic (Appendix A): {self.reason}"
+
+
+def choose_source(
+    model: ModelArch | str,
+    accelerator: Accelerator | str,
+    source: str = "auto",
+    profile_path: str | Path | None = None,
+) -> SourceChoice:
+    """The single rule (see the module docstring): which source times this model on
+    this accelerator, and at which tp degrees. ValueError for an unknown source, or
+    for "profile" when the profile does not cover the model on this accelerator."""
+    model, accelerator = get_model(model), get_accelerator(accelerator)
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
+    if source == "analytic":
+        return SourceChoice("analytic", None, "", "latencyModel: analytic")
+    profile = load_profile(profile_path) if profile_path else default_profile()
+    engine_to_tps: dict[str, set[int]] = {}
+    if profile.accelerator_name in (None, accelerator.name):
+        engine_to_tps = {e: set(profile.tps_for(e, model)) for e in ENGINES}
+        engine_to_tps = {e: tps for e, tps in engine_to_tps.items() if tps}
+    tps = sorted(set.intersection(*engine_to_tps.values())) if engine_to_tps else []
+    if tps and "disaggregated" in engine_to_tps:
+        engines = tuple(engine_to_tps)
+        return SourceChoice(
+            "profile", tuple(tps), profile.source_path,
+            f"it covers {model.name} on {accelerator.name} ({' and '.join(engines)} engine)",
+            engines,
+        )
+    missing = _missing_point(profile, ENGINES[0], model, accelerator, None)
+    if source == "profile":
+        raise ValueError(missing)
+    return SourceChoice("analytic", None, "", f"no profile covers it ({missing})")
+
+
 def get_latency_model(
     model: ModelArch | str,
     accelerator: Accelerator | str,
@@ -40,41 +114,34 @@ def get_latency_model(
     profile_path: str | Path | None = None,
     enable_dispatch_overhead: bool = True,
 ) -> LatencyModel:
-    """The latency model for this point.
+    """The latency model for this point, its source chosen by `choose_source`.
 
-    source "auto" uses the profile (the shipped A100 OPT one, or `profile_path`) when it
-    covers (model, accelerator, tp) for this engine, the analytic model otherwise;
-    "profile" raises ValueError when it does not; "analytic" never reads a profile.
+    ValueError when the chosen source is the profile and tp is not a profiled degree
+    (under "auto" too: set source "analytic" to time unprofiled degrees).
     """
     model, accelerator = get_model(model), get_accelerator(accelerator)
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if source not in SOURCES:
-        raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
-    if source != "analytic":
-        profile = load_profile(profile_path) if profile_path else default_profile()
-        fit = None
-        if profile.accelerator_name in (None, accelerator.name):
-            fit = profile.fit_for(engine, model, tp)
-        if fit is not None:
-            return ProfileLatencyModel(
-                model,
-                accelerator,
-                tp,
-                pp,
-                fit,
-                engine,
-                enable_dispatch_overhead=enable_dispatch_overhead,
-            )
-        if source == "profile":
-            raise ValueError(_missing_point(profile, engine, model, accelerator, tp))
-    return AnalyticLatencyModel(
-        model, accelerator, tp, pp, engine, enable_dispatch_overhead=enable_dispatch_overhead
+    choice = choose_source(model, accelerator, source, profile_path)
+    if choice.source == "analytic":
+        return AnalyticLatencyModel(
+            model, accelerator, tp, pp, engine, enable_dispatch_overhead=enable_dispatch_overhead
+        )
+    profile = load_profile(profile_path) if profile_path else default_profile()
+    fit = profile.fit_for(engine, model, tp) if choice.allows(tp) else None
+    if fit is None:
+        raise ValueError(
+            _missing_point(profile, engine, model, accelerator, tp)
+            + " (a profiled model is timed from its profile only, at its profiled "
+            "degrees; latencyModel: analytic times any degree)"
+        )
+    return ProfileLatencyModel(
+        model, accelerator, tp, pp, fit, engine, enable_dispatch_overhead=enable_dispatch_overhead
     )
 
 
 def _missing_point(
-    profile: LatencyProfile, engine: str, model: ModelArch, accelerator: Accelerator, tp: int
+    profile: LatencyProfile, engine: str, model: ModelArch, accelerator: Accelerator, tp: int | None
 ) -> str:
     where = profile.source_path or "the profile"
     if profile.accelerator_name not in (None, accelerator.name):
@@ -82,6 +149,8 @@ def _missing_point(
     tps = profile.tps_for(engine, model)
     if not tps:
         return f"{where} has no {engine} entry for {model.name}"
+    if tp is None:
+        return f"{where} has no tp of {model.name} common to its engines"
     return f"{where} has {model.name} ({engine}) at tp {tps}, not tp {tp}"
 
 
@@ -106,6 +175,8 @@ __all__ = [
     "LatencyModel",
     "LatencyProfile",
     "ProfileLatencyModel",
+    "SourceChoice",
+    "choose_source",
     "default_profile",
     "get_latency_model",
     "kv_capacity_tokens",

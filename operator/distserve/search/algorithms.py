@@ -125,7 +125,7 @@ def algorithm2(
         if model.num_layers % k == 0
     ]
     k_to_segs = {
-        k: sorted(set(segment_configs(model, ctx.accelerator, cluster, k, min(min_kv))))
+        k: sorted(set(segment_configs(model, ctx.accelerator, cluster, k, min(min_kv), ctx.latency)))
         for k in inter_ops
     }
     configs = [(tp, k * lpp) for k, segs in k_to_segs.items() for tp, lpp in segs]

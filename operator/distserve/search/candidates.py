@@ -1,7 +1,8 @@
 """Which parallel configurations an instance may take on this cluster.
 
 A configuration (tp, pp) is allowed when tp divides the attention heads and the KV
-heads, pp divides the layers (NOTE: stages are always even; uneven stages are not
+heads, the latency source times tp (a profiled model only at its profiled degrees,
+`distserve.latency.choose_source`), pp divides the layers (NOTE: stages are always even; uneven stages are not
 considered), tp fits in one node, and the weights leave room in memory for the KV of
 the longest request the workload holds. Under low node affinity (Algorithm 2) an
 instance's pp stages are split into `inter_op` node-level segments, each segment
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distserve.catalog import ModelArch
-from distserve.latency import kv_capacity_tokens
+from distserve.latency import SourceChoice, kv_capacity_tokens
 
 Config = tuple[int, int]  # (tp, pp)
 
@@ -32,11 +33,12 @@ class ClusterShape:
         return self.num_nodes * self.gpus_per_node
 
 
-def tp_degrees(model: ModelArch, max_tp: int) -> list[int]:
-    """Tensor-parallel degrees that split the heads and the KV heads evenly."""
+def tp_degrees(model: ModelArch, max_tp: int, latency: SourceChoice) -> list[int]:
+    """Tensor-parallel degrees that split the heads and the KV heads evenly and that
+    the latency source may time."""
     return [
         tp for tp in range(1, max_tp + 1)
-        if model.num_heads % tp == 0 and model.num_kv_heads % tp == 0
+        if model.num_heads % tp == 0 and model.num_kv_heads % tp == 0 and latency.allows(tp)
     ]
 
 
@@ -51,26 +53,28 @@ def fits(model: ModelArch, accelerator: str, config: Config, min_kv_tokens: int)
 
 
 def instance_configs(
-    model: ModelArch, accelerator: str, cluster: ClusterShape, min_kv_tokens: int
+    model: ModelArch, accelerator: str, cluster: ClusterShape, min_kv_tokens: int,
+    latency: SourceChoice,
 ) -> list[Config]:
     """Configurations for Algorithm 1 (and the baselines): anywhere in the cluster."""
     max_gpus = cluster.gpus_per_node * min(cluster.max_nodes_per_instance, cluster.num_nodes)
     return [
         (tp, pp)
-        for tp in tp_degrees(model, cluster.gpus_per_node)
+        for tp in tp_degrees(model, cluster.gpus_per_node, latency)
         for pp in pp_degrees(model, max_gpus // tp)
         if fits(model, accelerator, (tp, pp), min_kv_tokens)
     ]
 
 
 def segment_configs(
-    model: ModelArch, accelerator: str, cluster: ClusterShape, inter_op: int, min_kv_tokens: int
+    model: ModelArch, accelerator: str, cluster: ClusterShape, inter_op: int, min_kv_tokens: int,
+    latency: SourceChoice,
 ) -> list[Config]:
     """Algorithm 2's get_intra_node_configs: (tp, stages per node) of a segment that
     leaves at least one GPU of the node for the other phase."""
     room = cluster.gpus_per_node - 1
     found = []
-    for tp in tp_degrees(model, room):
+    for tp in tp_degrees(model, room, latency):
         for local_pp in range(1, room // tp + 1):
             pp = inter_op * local_pp
             if model.num_layers % pp == 0 and fits(model, accelerator, (tp, pp), min_kv_tokens):

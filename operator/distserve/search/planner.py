@@ -16,6 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 from distserve.catalog import get_accelerator, get_model
 from distserve.catalog.accelerators import GBIT_BYTES
+from distserve.latency import SourceChoice, choose_source
 from distserve.plan import LatencyStats, PhaseConfig, Plan
 from distserve.search.algorithms import UnitChoice, algorithm1, algorithm2
 from distserve.search.baselines import baseline_configs, best_baselines
@@ -62,16 +63,22 @@ def plan_deployment(
         len(names), per_node, spec.planner.max_nodes_per_instance or len(names)
     )
     min_kv = _min_kv_tokens(ctx.trace)
-    configs = instance_configs(model, ctx.accelerator, cluster, min_kv[1])
+    progress(f"latency source: {ctx.latency.describe()}")
+    configs = instance_configs(model, ctx.accelerator, cluster, min_kv[1], ctx.latency)
     with _pool(spec.planner.workers) as pmap:
         if spec.placement is not None:
             plan = _fixed(pmap, ctx, spec, names, per_node)
         else:
             plan = _searched(pmap, ctx, spec, model, cluster, names, min_kv, configs, progress)
-        base = best_baselines(
-            pmap, ctx, baseline_configs(configs, per_node) or [(plan.prefill.tp, plan.prefill.pp)],
-            plan.num_gpus, progress,
-        )
+        base = {}
+        if ctx.latency.can_time("colocated"):
+            base = best_baselines(
+                pmap, ctx,
+                baseline_configs(configs, per_node) or [(plan.prefill.tp, plan.prefill.pp)],
+                plan.num_gpus, progress,
+            )
+        else:
+            progress(f"baselines skipped: {ctx.latency.profile_path} has no colocated engine")
     return _replace(plan, baselines=base, search_seconds=time.perf_counter() - started)
 
 
@@ -95,14 +102,7 @@ def resolve_cluster(
 
 def build_context(spec: DistServeDeploymentSpec) -> SearchContext:
     """The shared inputs of every trial: model, GPU, latency source, sampled requests, SLO."""
-    try:
-        model = get_model(spec.model.name)
-    except ValueError as err:
-        raise SpecError(f"spec.model.name: {err}") from None
-    try:
-        accelerator = get_accelerator(spec.cluster.accelerator)
-    except ValueError as err:
-        raise SpecError(f"spec.cluster.accelerator: {err}") from None
+    model, accelerator = _model_and_accelerator(spec)
     w = spec.workload
     workload = make_workload(w.dataset, w.trace_path, w.arrival, w.cv)
     trace = Trace.from_requests(workload.sample(1.0, max(SAMPLED_REQUESTS, spec.planner.num_requests), spec.planner.seed))
@@ -113,7 +113,7 @@ def build_context(spec: DistServeDeploymentSpec) -> SearchContext:
     s = spec.slo
     return SearchContext(
         model=model.name, accelerator=accelerator.name,
-        latency_source=spec.planner.latency_model, profile_path=spec.planner.profile_path,
+        latency=latency_choice(spec), profile_path=spec.planner.profile_path,
         trace=trace, num_requests=spec.planner.num_requests,
         slo=SLO(s.ttft_seconds, s.tpot_seconds, s.attainment, s.rule),
         max_prefill_tokens=spec.planner.max_prefill_tokens,
@@ -121,6 +121,30 @@ def build_context(spec: DistServeDeploymentSpec) -> SearchContext:
         intra_node_bytes_per_s=accelerator.intra_node_link_bytes_per_s,
         inter_node_bytes_per_s=inter,
     )
+
+
+def _model_and_accelerator(spec: DistServeDeploymentSpec):
+    """The spec's model and accelerator from the catalog; SpecError names the bad field."""
+    try:
+        model = get_model(spec.model.name)
+    except ValueError as err:
+        raise SpecError(f"spec.model.name: {err}") from None
+    try:
+        accelerator = get_accelerator(spec.cluster.accelerator)
+    except ValueError as err:
+        raise SpecError(f"spec.cluster.accelerator: {err}") from None
+    return model, accelerator
+
+
+def latency_choice(spec: DistServeDeploymentSpec) -> SourceChoice:
+    """The latency source of the whole search (`distserve.latency.choose_source`)."""
+    model, accelerator = _model_and_accelerator(spec)
+    try:
+        return choose_source(
+            model, accelerator, spec.planner.latency_model, spec.planner.profile_path
+        )
+    except ValueError as err:
+        raise SpecError(f"spec.planner.latencyModel: {err}") from None
 
 
 def _min_kv_tokens(trace: Trace) -> tuple[int, int]:
@@ -180,6 +204,12 @@ def _fixed(pmap, ctx, spec, names, per_node) -> Plan:
     """Simulate the spec's fixed placement: its goodput, attainment and latencies."""
     p, d = spec.placement.prefill, spec.placement.decode
     prefill, decode = PhaseConfig(p.tp, p.pp, p.instances), PhaseConfig(d.tp, d.pp, d.instances)
+    for role, phase in (("prefill", prefill), ("decode", decode)):
+        if not ctx.latency.allows(phase.tp):
+            raise NoFeasiblePlan(
+                f"spec.placement.{role}.tp={phase.tp}: the latency source is "
+                f"{ctx.latency.describe()}; set planner.latencyModel: analytic to time it"
+            )
     try:
         segments = place_fixed(
             names, per_node, prefill, decode, spec.cluster.node_affinity == "low"

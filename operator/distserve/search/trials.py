@@ -13,7 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from distserve.catalog import get_model
-from distserve.latency import get_latency_model, kv_capacity_tokens, prefill_saturation_tokens
+from distserve.latency import (
+    SourceChoice,
+    get_latency_model,
+    kv_capacity_tokens,
+    prefill_saturation_tokens,
+)
 from distserve.search.goodput import REL_TOL, Goodput, find_goodput
 from distserve.simulator import (
     SLO,
@@ -37,7 +42,7 @@ class SearchContext:
 
     model: str
     accelerator: str
-    latency_source: str  # "auto", "profile" or "analytic"
+    latency: SourceChoice  # one source for every candidate and baseline of this search
     profile_path: str | None
     trace: Trace  # sampled requests at 1 request per second; trials rescale arrivals
     num_requests: int  # requests per trial, at least (the trace may hold more)
@@ -84,7 +89,7 @@ def _gpus(config: Config) -> int:
 def instance_model(ctx: SearchContext, engine: str, config: Config) -> InstanceModel:
     """The memoised timer and KV capacity of one instance configuration."""
     return _instance_model(
-        ctx.model, ctx.accelerator, ctx.latency_source, ctx.profile_path, engine, config
+        ctx.model, ctx.accelerator, ctx.latency.source, ctx.profile_path, engine, config
     )
 
 
@@ -104,7 +109,9 @@ def prefill_tokens(ctx: SearchContext, config: Config) -> int:
     """Lm for a prefill instance of this configuration."""
     if ctx.max_prefill_tokens:
         return ctx.max_prefill_tokens
-    return _saturation_tokens(ctx.model, ctx.accelerator, ctx.latency_source, ctx.profile_path, config)
+    return _saturation_tokens(
+        ctx.model, ctx.accelerator, ctx.latency.source, ctx.profile_path, config
+    )
 
 
 @functools.lru_cache(maxsize=512)
