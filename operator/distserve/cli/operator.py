@@ -1,0 +1,41 @@
+"""`distserve operator`: run the kopf operator that reconciles DistServeDeployments.
+
+The Helm chart's operator Deployment runs this command. It watches every namespace
+(or the ones given), needs no peering objects (`--standalone` is the default: the
+chart runs one replica), and serves a liveness endpoint for the kubelet.
+"""
+
+from __future__ import annotations
+
+import logging
+
+NAME = "operator"
+HELP = "Run the Kubernetes operator (kopf) that plans and applies DistServeDeployments."
+
+
+def add_arguments(parser) -> None:
+    """Options of `distserve operator`."""
+    parser.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
+                        help="watch only this namespace (repeatable; default: all namespaces)")
+    parser.add_argument("--peering", action="store_true",
+                        help="coordinate with other operator replicas through kopf peering")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
+                        help="liveness endpoint for the kubelet ('' to disable)")
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
+
+
+def run(args) -> int:
+    """Run until stopped (SIGTERM or SIGINT)."""
+    import kopf
+
+    import distserve.k8s.handlers  # noqa: F401  (registers the handlers)
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kopf.run(
+        standalone=not args.peering,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness or None,
+    )
+    return 0
