@@ -1,8 +1,9 @@
 """Goodput: the highest request rate whose SLO attainment still reaches the target.
 
 Attainment falls as the rate rises (queues grow), so the rate is bracketed by
-doubling or halving from a capacity estimate and then bisected to a relative
-tolerance. Every trial replays the same sampled requests with arrivals scaled to the
+geometric steps from a capacity estimate (a step of STEP_FACTOR, squared after every
+step in the same direction, so that a good estimate costs two trials and a poor one
+only a few more) and then bisected to a relative tolerance. Every trial replays the same sampled requests with arrivals scaled to the
 rate, so two rates differ only in load, and a trial stops as soon as the target is
 out of reach (a failing rate costs little).
 """
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 from distserve.simulator import SLO, SimResult
 
 REL_TOL = 0.03  # bisection stops when the bracket is this narrow relative to the rate
-MAX_HALVINGS = 10  # below estimate / 2**10 the SLOs are unattainable at any rate
+STEP_FACTOR = 1.25  # the first bracketing step; estimates are usually within 25%
+MAX_SHRINK = 2.0**10  # below estimate / 2**10 the SLOs are unattainable at any rate
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class Goodput:
     rate_rps: float  # 0.0 when no rate meets the target
     attainment: float  # attainment measured at rate_rps (or at the lowest rate tried)
     trials: int
+    fail_rps: float = 0.0  # the lowest rate seen to miss the target (0.0: none tried)
 
 
 def find_goodput(
@@ -32,8 +35,16 @@ def find_goodput(
     slo: SLO,
     estimate_rps: float,
     rel_tol: float = REL_TOL,
+    known: Goodput | None = None,
 ) -> Goodput:
-    """Bisect on rate. run_trial(rate, slo) simulates one trial (slo enables early exit)."""
+    """Bisect on rate. run_trial(rate, slo) simulates one trial (slo enables early exit).
+
+    known: an earlier, coarser result for the same trials, whose bracket
+    [rate_rps, fail_rps] is narrowed instead of searched for again.
+    """
+    if known is not None and known.rate_rps > 0 and known.fail_rps > known.rate_rps:
+        return _bisect(run_trial, slo, known.rate_rps, known.attainment, known.fail_rps,
+                       rel_tol, known.trials)
     trials = 0
 
     def passes(rate: float) -> tuple[bool, float]:
@@ -44,10 +55,12 @@ def find_goodput(
 
     rate = max(estimate_rps, 1e-6)
     ok, attained = passes(rate)
+    factor = STEP_FACTOR
     if ok:
         lo, lo_att, hi = rate, attained, None
         while hi is None:
-            rate *= 2
+            rate *= factor
+            factor *= factor
             ok, attained = passes(rate)
             if ok:
                 lo, lo_att = rate, attained
@@ -55,20 +68,28 @@ def find_goodput(
                 hi = rate
     else:
         hi, lo, lo_att = rate, None, attained
-        for _ in range(MAX_HALVINGS):
-            rate /= 2
+        while lo is None and rate > estimate_rps / MAX_SHRINK:
+            rate /= factor
+            factor *= factor
             ok, attained = passes(rate)
             if ok:
                 lo, lo_att = rate, attained
-                break
-            hi, lo_att = rate, attained
+            else:
+                hi, lo_att = rate, attained
         if lo is None:
-            return Goodput(0.0, lo_att, trials)
+            return Goodput(0.0, lo_att, trials, hi)
+    return _bisect(run_trial, slo, lo, lo_att, hi, rel_tol, trials)
+
+
+def _bisect(run_trial, slo: SLO, lo: float, lo_att: float, hi: float, rel_tol: float,
+            trials: int) -> Goodput:
+    """Narrow [lo passing, hi failing] until it is within rel_tol of lo."""
     while (hi - lo) > rel_tol * lo:
         mid = (lo + hi) / 2
-        ok, attained = passes(mid)
-        if ok:
+        trials += 1
+        attained = run_trial(mid, slo).attainment(slo)
+        if attained >= slo.attainment:
             lo, lo_att = mid, attained
         else:
             hi = mid
-    return Goodput(lo, lo_att, trials)
+    return Goodput(lo, lo_att, trials, hi)

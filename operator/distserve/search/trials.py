@@ -33,7 +33,8 @@ from distserve.simulator import (
 
 Config = tuple[int, int]  # (tp, pp) of one instance
 INFINITE_S = float("inf")
-PHASE_REL_TOL = 0.08
+PHASE_REL_TOL = 0.08  # coarse bisection: for ranking candidates, refined where it matters
+COLOCATED_ESTIMATE_SHARE = 0.75  # colocated goodput / busy-time capacity, typically
 
 
 @dataclass(frozen=True)
@@ -146,18 +147,33 @@ def run_baseline(
     )
 
 
-def _capacity_rps(ctx: SearchContext, config: Config, engine: str) -> float:
-    """A rough requests-per-second capacity of one instance, where bisection starts."""
-    model = instance_model(ctx, engine, config)
-    prompt = float(np.mean(ctx.trace.prompt_tokens))
-    output = float(np.mean(ctx.trace.output_tokens))
-    lm = prefill_tokens(ctx, config)
-    per_request_s = model.timer.prefill_batch_s((lm,))[0] * prompt / lm
-    batch = int(max(1, min(ctx.max_decode_batch, model.kv_capacity_tokens / (prompt + output))))
-    alpha, slope = model.timer.decode_line(max(1, batch // model.pp))
-    iteration_s = alpha + slope * (batch // model.pp) * (prompt + output / 2)
-    decode_rps = batch / iteration_s / max(output, 1.0)
-    return min(1.0 / per_request_s, decode_rps)
+def _phase_capacity_rps(ctx: SearchContext, config: Config, engine: str) -> tuple[float, float]:
+    """(prefill, decode) requests per second one instance sustains when busy all the
+    time: where bisection starts (a rough estimate, not a bound)."""
+    return _phase_capacity(
+        ctx.model, ctx.accelerator, ctx.latency.source, ctx.profile_path, engine, config,
+        ctx.max_prefill_tokens, ctx.max_decode_batch,
+        float(np.mean(ctx.trace.prompt_tokens)), float(np.mean(ctx.trace.output_tokens)),
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _phase_capacity(
+    model_name, accelerator, source, profile_path, engine, config, max_prefill_tokens,
+    max_decode_batch, prompt, output,
+) -> tuple[float, float]:
+    model = _instance_model(model_name, accelerator, source, profile_path, engine, config)
+    lm = max_prefill_tokens or _saturation_tokens(
+        model_name, accelerator, source, profile_path, config
+    )
+    # a pipeline takes a new batch every stage time
+    prefill_rps = lm / prompt / model.timer.prefill_batch_s((lm,))[0]
+    batch = int(max(1, min(max_decode_batch, model.kv_capacity_tokens / (prompt + output))))
+    lane_batch = max(1, batch // model.pp)
+    alpha, slope = model.timer.decode_line(lane_batch)
+    iteration_s = alpha + slope * lane_batch * (prompt + output / 2)
+    decode_rps = lane_batch * model.pp / iteration_s / max(output, 1.0)
+    return prefill_rps, decode_rps
 
 
 def unit_goodput(
@@ -165,10 +181,12 @@ def unit_goodput(
 ) -> Goodput:
     """Goodput of a unit under slo (default: the context's)."""
     slo = slo or ctx.slo
-    config = unit.prefill if unit.n_prefill else unit.decode
-    count = unit.n_prefill or unit.n_decode
-    estimate = 0.5 * count * _capacity_rps(ctx, config, "disaggregated")
-    return find_goodput(lambda rate, s: run_unit(ctx, unit, rate, s), slo, estimate, rel_tol)
+    bounds = []
+    if unit.n_prefill:
+        bounds.append(unit.n_prefill * _phase_capacity_rps(ctx, unit.prefill, "disaggregated")[0])
+    if unit.n_decode:
+        bounds.append(unit.n_decode * _phase_capacity_rps(ctx, unit.decode, "disaggregated")[1])
+    return find_goodput(lambda rate, s: run_unit(ctx, unit, rate, s), slo, min(bounds), rel_tol)
 
 
 def phase_goodput(ctx: SearchContext, phase: str, config: Config) -> Goodput:
@@ -186,9 +204,16 @@ def phase_goodput(ctx: SearchContext, phase: str, config: Config) -> Goodput:
     return unit_goodput(ctx, unit, phase_slo, PHASE_REL_TOL)
 
 
-def baseline_goodput(ctx: SearchContext, name: str, config: Config) -> Goodput:
-    """Goodput of one colocated instance under the baseline's iteration policy."""
-    estimate = 0.5 * _capacity_rps(ctx, config, "colocated")
+def baseline_goodput(
+    ctx: SearchContext, name: str, config: Config, rel_tol: float = REL_TOL,
+    known: Goodput | None = None,
+) -> Goodput:
+    """Goodput of one colocated instance under the baseline's iteration policy
+    (known: a coarser result to refine)."""
+    prefill_rps, decode_rps = _phase_capacity_rps(ctx, config, "colocated")
+    # the phases share the GPUs, and prefill stalls decodes: most reach 2/3-4/5 of this
+    estimate = COLOCATED_ESTIMATE_SHARE / (1.0 / prefill_rps + 1.0 / decode_rps)
     return find_goodput(
-        lambda rate, s: run_baseline(ctx, name, config, 1, rate, s), ctx.slo, estimate
+        lambda rate, s: run_baseline(ctx, name, config, 1, rate, s), ctx.slo, estimate,
+        rel_tol, known,
     )

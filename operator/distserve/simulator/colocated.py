@@ -188,7 +188,6 @@ def simulate_colocated(
     latency model. With `slo`, the trial stops once the target is out of reach."""
     sim = _Sim(trace, slo, max_batch_tokens)
     sim.instances = [_Instance(sim, m, max_batch, chunk_size) for m in instances]
-    for rid, arrival_s in enumerate(trace.arrival_s.tolist()):
-        sim.loop.at(arrival_s, sim.arrive, rid)
+    sim.loop.arrivals(trace.arrival_s.tolist(), sim.arrive)
     sim.loop.run()
     return sim.rec.result()

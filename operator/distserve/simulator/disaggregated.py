@@ -229,7 +229,6 @@ def simulate_disaggregated(
         _Decode(sim, i, m, max_decode_batch, transfer, pps) for i, m in enumerate(decode)
     ]
     sim.is_prefill_only = not decode
-    for rid, arrival_s in enumerate(trace.arrival_s.tolist()):
-        sim.loop.at(arrival_s, sim.arrive, rid)
+    sim.loop.arrivals(trace.arrival_s.tolist(), sim.arrive)
     sim.loop.run()
     return sim.rec.result()
