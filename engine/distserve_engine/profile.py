@@ -1,0 +1,283 @@
+"""The hardware profiler: times the real runner and fits the planner's latency formulas.
+
+It runs prefill batches over a grid of prompt lengths and batch compositions, and
+decode steps over batch sizes and context lengths, on a `ModelRunner` on this device,
+and fits (milliseconds, as in the DistServe authors' profile files):
+
+    prefill_ms = a + b*S1 + c*S2     S1 = sum of prompt lengths, S2 = sum of their squares
+    decode_ms  = a + b*T + c*B       T = sum of (context + 1) over the batch, B = batch size
+
+with one decode fit below `large_batch_from` and one from it on. Coefficients are kept
+non-negative (a negative term would predict negative time outside the grid) and fit
+by relative error, so short batches count as much as long ones. Decode timings use
+synthetic contexts: the KV blocks are reserved but not filled, since attention costs
+the same whatever the cached values are. The control plane turns `HardwareProfile`
+into a profile file; this module never imports it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from distserve_engine.config import EngineConfig
+from distserve_engine.runner import ModelRunner
+from distserve_engine.sampling import SamplingParams
+from distserve_engine.sequence import Sequence as EngineSequence
+
+GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+# A decode split is kept only when it cuts the squared relative error by this share.
+SPLIT_MIN_GAIN = 0.2
+ABC = tuple[float, float, float]
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """What to time. Prefill batches are lists of prompt lengths; decode points are
+    (batch size, context length) pairs, every sequence of a batch at that context."""
+
+    prefill_batches: tuple[tuple[int, ...], ...]
+    decode_batch_sizes: tuple[int, ...]
+    decode_context_lens: tuple[int, ...]
+    warmup: int = 1  # untimed runs of each point (the first run of a shape is slower)
+    repeats: int = 3  # timed runs of each point; the median is kept
+
+    @classmethod
+    def default(cls, max_prefill_tokens: int = 512, max_decode_batch: int = 32,
+                max_context_len: int = 512, repeats: int = 3) -> ProfileGrid:
+        """Powers of two up to the given bounds, plus batches of 2-8 equal prompts that
+        fill max_prefill_tokens (they separate the S1 and S2 terms)."""
+        lens = _powers_of_two(16, max_prefill_tokens)
+        singles = [(n,) for n in lens]
+        filled = [(n,) * (max_prefill_tokens // n) for n in lens if 2 <= max_prefill_tokens // n <= 8]
+        contexts = _powers_of_two(64, max_context_len)
+        return cls(
+            prefill_batches=tuple(singles + filled),
+            decode_batch_sizes=tuple(_powers_of_two(1, max_decode_batch)),
+            decode_context_lens=tuple(sorted({contexts[0], contexts[len(contexts) // 2], contexts[-1]})),
+            repeats=repeats,
+        )
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One measured point: the formula's inputs and the median time."""
+
+    x1: int  # S1 (prefill) or T (decode)
+    x2: int  # S2 (prefill) or B (decode)
+    ms: float  # median over the repeats
+    label: str  # e.g. "prefill 4x128" or "decode B=8 ctx=256"
+
+
+@dataclass(frozen=True)
+class FitError:
+    """How far a fit is from the timings it was fitted to (relative to the measured time)."""
+
+    mean_rel: float
+    max_rel: float
+
+
+@dataclass
+class HardwareProfile:
+    """The fitted coefficients (ms), the measurements behind them and the KV capacity."""
+
+    prefill_abc: ABC
+    decode_small_batch_abc: ABC
+    decode_large_batch_abc: ABC
+    large_batch_from: int
+    kv_capacity_tokens: int
+    prefill_error: FitError
+    decode_error: FitError
+    device: str
+    threads: int
+    seconds: float  # wall time the profiling took
+    prefill_timings: list[Timing] = field(default_factory=list)
+    decode_timings: list[Timing] = field(default_factory=list)
+
+    def fit_entry(self) -> dict:
+        """The per-(model, tp) entry of a profile file (the a100-opt-profile.json shape)."""
+        return {
+            "prefill_abc": list(self.prefill_abc),
+            "decode_small_batch_abc": list(self.decode_small_batch_abc),
+            "decode_large_batch_abc": list(self.decode_large_batch_abc),
+            "large_batch_from": self.large_batch_from,
+        }
+
+    def prefill_ms(self, prompt_lens: Sequence[int]) -> float:
+        """The fitted time of a prefill batch."""
+        return _eval(self.prefill_abc, sum(prompt_lens), sum(n * n for n in prompt_lens))
+
+    def decode_ms(self, context_lens: Sequence[int]) -> float:
+        """The fitted time of a decode step; lengths include the new token."""
+        small = len(context_lens) < self.large_batch_from
+        abc = self.decode_small_batch_abc if small else self.decode_large_batch_abc
+        return _eval(abc, sum(context_lens), len(context_lens))
+
+
+def profile_runner(runner: ModelRunner, grid: ProfileGrid,
+                   progress: Callable[[str], None] | None = None) -> HardwareProfile:
+    """Time the grid on this runner and fit the formulas."""
+    started = time.perf_counter()
+    say = progress or (lambda _message: None)
+    prefill = [_time_prefill(runner, batch, grid) for batch in grid.prefill_batches
+               if max(batch) <= runner.max_model_len and runner.can_allocate(sum(batch))]
+    say(f"timed {len(prefill)} prefill batches")
+    decode = [
+        _time_decode(runner, batch_size, context_len, grid)
+        for batch_size, context_len in itertools.product(grid.decode_batch_sizes, grid.decode_context_lens)
+        if context_len + grid.warmup + grid.repeats <= runner.max_model_len
+        and runner.can_allocate(batch_size * (context_len + grid.warmup + grid.repeats))
+    ]
+    say(f"timed {len(decode)} decode steps")
+    if len(prefill) < 3 or len(decode) < 3:
+        raise ValueError("the grid leaves fewer than 3 prefill or decode points that fit this "
+                         "runner's context and KV cache: widen it or raise the KV budget")
+    prefill_abc = fit_abc(prefill)
+    small_abc, large_abc, large_from = fit_decode(decode)
+    result = HardwareProfile(
+        prefill_abc=prefill_abc, decode_small_batch_abc=small_abc,
+        decode_large_batch_abc=large_abc, large_batch_from=large_from,
+        kv_capacity_tokens=runner.num_blocks * runner.config.block_size,
+        prefill_error=FitError(0.0, 0.0), decode_error=FitError(0.0, 0.0),
+        device=str(runner.device), threads=torch.get_num_threads(),
+        seconds=time.perf_counter() - started, prefill_timings=prefill, decode_timings=decode,
+    )
+    result.prefill_error = fit_error(prefill, lambda t: _eval(prefill_abc, t.x1, t.x2))
+    result.decode_error = fit_error(decode, lambda t: result.decode_ms([t.x1 / t.x2] * t.x2))
+    return result
+
+
+def profile_model(config: EngineConfig, grid: ProfileGrid | None = None, threads: int | None = None,
+                  progress: Callable[[str], None] | None = None) -> HardwareProfile:
+    """Load the model on config.device and profile it (on CPU with `threads` threads)."""
+    if config.device_type == "cpu" and threads:
+        torch.set_num_threads(threads)
+    runner = ModelRunner(config)
+    if grid is None:
+        grid = ProfileGrid.default(max_context_len=min(512, runner.max_model_len // 2))
+    return profile_runner(runner, grid, progress)
+
+
+def fit_abc(timings: Sequence[Timing]) -> ABC:
+    """Non-negative (a, b, c) minimising the squared relative error of a + b*x1 + c*x2."""
+    x = np.array([[1.0, t.x1, t.x2] for t in timings])
+    y = np.array([t.ms for t in timings])
+    weights = 1.0 / y  # relative error: every row scaled by its own time
+    best, best_loss = np.zeros(3), float("inf")
+    # NOTE: exact non-negative least squares for 3 unknowns: the optimum is the
+    # unconstrained fit over some subset of the terms, so try all 7 subsets.
+    for size in (1, 2, 3):
+        for cols in itertools.combinations(range(3), size):
+            sub = x[:, cols] * weights[:, None]
+            coef, *_ = np.linalg.lstsq(sub, y * weights, rcond=None)
+            if (coef < 0).any():
+                continue
+            loss = float(np.sum((sub @ coef - y * weights) ** 2))
+            if loss < best_loss:
+                best, best_loss = np.zeros(3), loss
+                best[list(cols)] = coef
+    return (float(best[0]), float(best[1]), float(best[2]))
+
+
+def fit_decode(timings: Sequence[Timing]) -> tuple[ABC, ABC, int]:
+    """(small-batch fit, large-batch fit, large_batch_from): one split by batch size
+    when it fits clearly better than a single line, else the same fit on both sides."""
+    single = fit_abc(timings)
+    largest = max(t.x2 for t in timings)
+    best = (single, single, largest + 1)
+    best_loss = _rel_loss(timings, lambda t: _eval(single, t.x1, t.x2))
+    threshold = best_loss * (1 - SPLIT_MIN_GAIN)
+    for split in sorted({t.x2 for t in timings}):
+        small = [t for t in timings if t.x2 < split]
+        large = [t for t in timings if t.x2 >= split]
+        if len({t.x2 for t in small}) < 2 or len({t.x2 for t in large}) < 2:
+            continue
+        small_abc, large_abc = fit_abc(small), fit_abc(large)
+        loss = (_rel_loss(small, lambda t, abc=small_abc: _eval(abc, t.x1, t.x2))
+                + _rel_loss(large, lambda t, abc=large_abc: _eval(abc, t.x1, t.x2)))
+        if loss < threshold:
+            best, threshold = (small_abc, large_abc, split), loss
+    return best
+
+
+def fit_error(timings: Sequence[Timing], predict: Callable[[Timing], float]) -> FitError:
+    """Mean and worst relative error of predict against the timings."""
+    errors = [abs(predict(t) - t.ms) / t.ms for t in timings]
+    return FitError(statistics.fmean(errors), max(errors))
+
+
+def _time_prefill(runner: ModelRunner, prompt_lens: tuple[int, ...], grid: ProfileGrid) -> Timing:
+    vocab = runner.model_config.vocab_size
+    times_ms = []
+    for run in range(grid.warmup + grid.repeats):
+        seqs = [EngineSequence(seq_id=f"p{run}.{i}", params=GREEDY,
+                               prompt_token_ids=[(7 * j + i) % vocab for j in range(n)])
+                for i, n in enumerate(prompt_lens)]
+        elapsed_ms = _timed(runner, lambda seqs=seqs: runner.prefill(seqs))
+        for seq in seqs:
+            runner.free(seq)
+        if run >= grid.warmup:
+            times_ms.append(elapsed_ms)
+    label = "x".join(map(str, prompt_lens)) if len(set(prompt_lens)) > 1 else (
+        f"{len(prompt_lens)}x{prompt_lens[0]}")
+    return Timing(sum(prompt_lens), sum(n * n for n in prompt_lens), statistics.median(times_ms),
+                  f"prefill {label}")
+
+
+def _time_decode(runner: ModelRunner, batch_size: int, context_len: int, grid: ProfileGrid) -> Timing:
+    steps = grid.warmup + grid.repeats
+    seqs = [EngineSequence(seq_id=f"d{i}", params=GREEDY,
+                           prompt_token_ids=[(5 * j + i) % runner.model_config.vocab_size
+                                             for j in range(context_len)])
+            for i in range(batch_size)]
+    # Synthetic contexts: blocks for every step, all but the newest token "cached".
+    runner.block_manager.reserve(seqs, [context_len + steps] * batch_size)
+    for seq in seqs:
+        seq.num_cached_tokens = context_len - 1
+    times_ms, sums = [], []
+    try:
+        for step in range(steps):
+            total = sum(s.num_tokens for s in seqs)  # T: context + the new token
+            elapsed_ms = _timed(runner, lambda: runner.decode(seqs))
+            if step >= grid.warmup:
+                times_ms.append(elapsed_ms)
+                sums.append(total)
+    finally:
+        for seq in seqs:
+            runner.free(seq)
+    return Timing(round(statistics.fmean(sums)), batch_size, statistics.median(times_ms),
+                  f"decode B={batch_size} ctx={context_len}")
+
+
+def _timed(runner: ModelRunner, call: Callable[[], object]) -> float:
+    """Milliseconds call takes, with the device synchronised on both sides."""
+    is_cuda = runner.device.type == "cuda"
+    if is_cuda:
+        torch.cuda.synchronize(runner.device)
+    started = time.perf_counter()
+    call()
+    if is_cuda:
+        torch.cuda.synchronize(runner.device)
+    return (time.perf_counter() - started) * 1e3
+
+
+def _eval(abc: ABC, x1: float, x2: float) -> float:
+    return abc[0] + abc[1] * x1 + abc[2] * x2
+
+
+def _rel_loss(timings: Sequence[Timing], predict: Callable[[Timing], float]) -> float:
+    return sum(((predict(t) - t.ms) / t.ms) ** 2 for t in timings)
+
+
+def _powers_of_two(low: int, high: int) -> list[int]:
+    values, n = [], low
+    while n <= high:
+        values.append(n)
+        n *= 2
+    return values or [high]
