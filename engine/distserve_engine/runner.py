@@ -22,6 +22,7 @@ from distserve_engine.errors import EngineError, PromptTooLongError
 from distserve_engine.kv_cache import KVBlob, KVCache, KVCacheShape, num_blocks_for_budget
 from distserve_engine.loader import iter_weights, load_model_config, resolve_checkpoint
 from distserve_engine.models import build_model
+from distserve_engine.models.base import check_parallel_fits
 from distserve_engine.parallel import (
     broadcast_tokens,
     init_parallel,
@@ -44,6 +45,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         ckpt = resolve_checkpoint(config.model)
         self.model_config = load_model_config(ckpt)
+        check_parallel_fits(self.model_config, config.tp, config.pp)  # before joining a group
         self.parallel = init_parallel(config.tp, config.pp, rank, config.dist_init_method,
                                       config.device_type)
         with _default_dtype(self.dtype), self.device:

@@ -33,17 +33,22 @@ def copy_into(param: torch.Tensor) -> Loader:
     return load
 
 
+def check_parallel_fits(config: ModelConfig, tp: int, pp: int) -> None:
+    """EngineError unless tp divides the heads and MLP width and pp <= the layer count."""
+    for name, value in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
+                        ("intermediate_size", config.intermediate_size)):
+        if value % tp:
+            raise EngineError(f"tp: {tp} does not divide the model's {name} ({value})")
+    if config.num_layers < pp:
+        raise EngineError(f"pp: {pp} stages but the model has {config.num_layers} layers")
+
+
 class CausalLM(nn.Module):
     """Base of the decoder-only models: stage layout, logits, weight loading."""
 
     def __init__(self, config: ModelConfig, state: ParallelState) -> None:
         super().__init__()
-        for name, value in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
-                            ("intermediate_size", config.intermediate_size)):
-            if value % state.tp:
-                raise EngineError(f"tp: {state.tp} does not divide the model's {name} ({value})")
-        if config.num_layers < state.pp:
-            raise EngineError(f"pp: {state.pp} stages but the model has {config.num_layers} layers")
+        check_parallel_fits(config, state.tp, state.pp)
         self.config = config
         self.state = state
         self.layer_range = state.layer_range(config.num_layers)
