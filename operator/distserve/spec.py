@@ -312,9 +312,14 @@ def load_manifest(path: str | Path) -> DistServeDeployment:
     for doc in docs:
         if isinstance(doc, dict) and doc.get("kind") == KIND:
             try:
-                return parse_manifest(doc)
+                manifest = parse_manifest(doc)
             except SpecError as exc:
                 raise SpecError(f"{path}:\n{exc}") from None
+            planner = manifest.spec.planner
+            if planner.profile_path and not Path(planner.profile_path).is_absolute():
+                # a profile sits beside its spec: read it from the spec file's folder
+                planner.profile_path = str(path.parent / planner.profile_path)
+            return manifest
     raise SpecError(f"{path}: no document of kind {KIND}")
 
 

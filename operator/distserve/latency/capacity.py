@@ -9,10 +9,11 @@ wins when the profile was taken on the same accelerator.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from distserve.catalog import Accelerator, ModelArch, get_accelerator, get_model
 from distserve.latency.base import layers_per_stage
-from distserve.latency.profile import LatencyProfile, default_profile
+from distserve.latency.profile import LatencyProfile, default_profile, load_profile
 
 # The activation reserve is sized for a prefill batch of this many tokens (vLLM's
 # default max_num_batched_tokens), which is also the largest the planner batches.
@@ -68,15 +69,17 @@ def kv_capacity_tokens(
     *,
     memory_utilization: float = 0.9,
     profile: LatencyProfile | None = None,
+    profile_path: str | Path | None = None,
 ) -> int:
     """KV tokens an instance holds after weights and activations: 0 when they do not fit.
 
-    Uses the profile's measured row (the shipped A100 profile by default) when it has one
-    for this model, accelerator, tp and pp; otherwise computes it, rounded down to whole
-    KV blocks.
+    Uses the profile's measured row (`profile`, else the file at `profile_path`, else the
+    shipped A100 profile) when it has one for this model, accelerator, tp and pp;
+    otherwise computes it, rounded down to whole KV blocks.
     """
     model, accelerator = get_model(model), get_accelerator(accelerator)
-    profile = profile if profile is not None else default_profile()
+    if profile is None:
+        profile = load_profile(profile_path) if profile_path else default_profile()
     if profile.accelerator_name == accelerator.name:
         measured = profile.kv_capacity_tokens(model, tp, pp)
         if measured is not None:

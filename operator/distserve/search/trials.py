@@ -102,7 +102,7 @@ def _instance_model(model, accelerator, source, profile_path, engine, config) ->
     latency = get_latency_model(
         model, accelerator, tp, pp, engine=engine, source=source, profile_path=profile_path
     )
-    capacity = kv_capacity_tokens(model, accelerator, tp, pp)
+    capacity = kv_capacity_tokens(model, accelerator, tp, pp, profile_path=profile_path)
     return InstanceModel(StageTimer(latency, pp), capacity)
 
 
