@@ -8,6 +8,8 @@ from distserve.catalog import get_model
 from distserve.search import NoFeasiblePlan, build_context, find_goodput, plan_deployment
 from distserve.search.algorithms import balance
 from distserve.search.candidates import ClusterShape, instance_configs, segment_configs
+from distserve.search.curves import plan_unit
+from distserve.search.trials import run_unit
 from distserve.simulator import SLO
 from distserve.spec import DistServeDeploymentSpec
 
@@ -47,6 +49,14 @@ def test_bisection_finds_the_rate_where_attainment_drops(estimate):
     assert 7.3 * 0.97 <= goodput.rate_rps <= 7.3
 
 
+def test_a_known_bracket_is_narrowed_not_searched_again():
+    coarse = find_goodput(_Trial(7.3), SLO(1.0, 1.0, 0.9), 3.0, rel_tol=0.1)
+    fine = find_goodput(_Trial(7.3), SLO(1.0, 1.0, 0.9), 3.0, rel_tol=0.01, known=coarse)
+    assert coarse.rate_rps <= 7.3 < coarse.fail_rps
+    assert 7.3 * 0.99 <= fine.rate_rps <= 7.3 < fine.fail_rps <= coarse.fail_rps
+    assert fine.trials - coarse.trials <= 4  # only the bracket's halvings
+
+
 def test_unattainable_slo_has_zero_goodput():
     goodput = find_goodput(lambda rate, slo: _Trial(-1.0)(rate, slo), SLO(1, 1, 0.9), 1.0)
     assert goodput.rate_rps == 0.0 and goodput.attainment == 0.5
@@ -78,6 +88,17 @@ def test_high_affinity_sizes_instances_for_the_rate():
     assert small.algorithm == large.algorithm == "high-affinity"
     assert large.num_gpus > small.num_gpus
     assert large.goodput_rps > small.goodput_rps
+
+
+def test_replicated_units_serve_the_rate_when_simulated_together():
+    spec = make_spec(cluster={"nodes": 3}, workload={"rateRps": 30.0})
+    plan = plan_deployment(spec)
+    assert plan.algorithm == "low-affinity" and plan.goodput_rps >= 30.0
+    assert plan.prefill.instances > 1 and len({s.node for s in plan.segments}) > 1
+    # the goodput reported is the whole deployment's, not copies x one unit's
+    ctx = build_context(spec)
+    whole = run_unit(ctx, plan_unit(ctx, plan), plan.goodput_rps, None)
+    assert whole.attainment(ctx.slo) >= 0.9
 
 
 def test_fixed_placement_is_simulated_not_searched():

@@ -58,10 +58,12 @@ def test_intra_op_wins_at_low_rate_and_inter_op_at_high_rate():
     assert results[high][0] < results[high][1]  # inter-op better at high rate
 
 
-def run_disaggregated(trace, **kwargs):
+def run_disaggregated(trace, prefill=None, decode=None, **kwargs):
     defaults = dict(transfer=TransferModel(1e5, 1e11), max_prefill_tokens=1024)
     defaults.update(kwargs)
-    return simulate_disaggregated(trace, [make_instance()], [make_instance()], **defaults)
+    return simulate_disaggregated(
+        trace, prefill or [make_instance()], decode or [make_instance()], **defaults
+    )
 
 
 def test_ttft_and_tpot_of_a_lone_request_follow_the_latency_model():
@@ -125,3 +127,21 @@ def test_chunked_prefill_slows_ttft_but_smooths_tpot():
     chunked = simulate_colocated(trace, [make_instance(prefill_base_s=0.01)], chunk_size=128)
     assert np.mean(chunked.ttft_s) > np.mean(plain.ttft_s)
     assert np.nanpercentile(chunked.tpot_s, 99) < np.nanpercentile(plain.tpot_s, 99)
+
+
+def test_two_replicas_on_their_own_nodes_serve_twice_the_rate_of_one():
+    # each replica: a pipelined prefill instance and a decode instance of bounded KV on
+    # one node, the network between nodes too slow for KV (5 s per 500-token prompt):
+    # the router must balance the prefill instances (by tokens not yet prefilled, not
+    # by queue length, which a pipeline empties at once) and keep KV on its node
+    def replica():
+        return make_instance(pp=2), make_instance(kv_capacity_tokens=20000)
+
+    (p0, d0), (p1, d1) = replica(), replica()
+    fast, slow = 1e11, 1e7
+    one = run_disaggregated(make_trace(300, 8.0, seed=9), prefill=[p0], decode=[d0])
+    two = run_disaggregated(
+        make_trace(600, 16.0, seed=9), prefill=[p0, p1], decode=[d0, d1],
+        transfer=TransferModel(1e5, [[fast, slow], [slow, fast]]),
+    )
+    assert np.nanpercentile(two.tpot_s, 90) < 1.3 * np.nanpercentile(one.tpot_s, 90)

@@ -18,7 +18,7 @@ from distserve.latency import kv_capacity_tokens
 from distserve.plan import PhaseConfig
 from distserve.search import build_context, resolve_cluster
 from distserve.search.placement import ClusterTooSmall, pair_links, place_fixed
-from distserve.search.planner import fixed_unit
+from distserve.search.replicas import whole_unit
 from distserve.search.trials import instance_model, run_unit
 from distserve.spec import load_manifest
 
@@ -75,7 +75,7 @@ def run(args) -> int:
         )
     except ClusterTooSmall as err:
         return _fail(f"the placement does not fit the cluster: {err}")
-    unit = fixed_unit(prefill, decode, pair_links(
+    unit = whole_unit(prefill, decode, pair_links(
         segments, ctx.intra_node_bytes_per_s, ctx.inter_node_bytes_per_s))
     result = run_unit(ctx, unit, args.rate, None)
     trace = ctx.trial_trace(args.rate)

@@ -12,7 +12,7 @@ import numpy as np
 
 from distserve.plan import Plan
 from distserve.search.placement import pair_links
-from distserve.search.planner import fixed_unit
+from distserve.search.replicas import whole_unit
 from distserve.search.trials import SearchContext, run_baseline, run_unit
 
 
@@ -28,7 +28,7 @@ class Curve:
 def plan_unit(ctx: SearchContext, plan: Plan):
     """The simulated unit of a whole plan, links from where its segments sit."""
     links = pair_links(plan.segments, ctx.intra_node_bytes_per_s, ctx.inter_node_bytes_per_s)
-    return fixed_unit(plan.prefill, plan.decode, links)
+    return whole_unit(plan.prefill, plan.decode, links)
 
 
 def attainment_curves(ctx: SearchContext, plan: Plan, num_points: int = 12) -> list[Curve]:

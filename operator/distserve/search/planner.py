@@ -8,7 +8,6 @@ adds the best colocated and chunked-prefill baselines on the same number of GPUs
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from distserve.search.placement import (
     place_instances,
     place_units,
 )
+from distserve.search.replicas import replicate, whole_unit
 from distserve.search.trials import SearchContext, Unit, run_unit, unit_goodput
 from distserve.simulator import SLO, SimResult, Trace
 from distserve.spec import DistServeDeploymentSpec, SpecError
@@ -176,25 +176,30 @@ def _searched(pmap, ctx, spec, model, cluster, names, min_kv, configs, progress)
     else:
         choice = algorithm1(pmap, ctx, configs, cluster, rate, progress)
     _check_goodput(choice, ctx)
-    copies = math.ceil(rate / choice.goodput.rate_rps) if (rate and algorithm == "low-affinity") else 1
-    unit = choice.unit
-    prefill = PhaseConfig(unit.prefill[0], unit.prefill[1], unit.n_prefill * copies)
-    decode = PhaseConfig(unit.decode[0], unit.decode[1], unit.n_decode * copies)
+    unit, goodput = choice.unit, choice.goodput
+    prefill = PhaseConfig(*unit.prefill, unit.n_prefill)
+    decode = PhaseConfig(*unit.decode, unit.n_decode)
     try:
         if algorithm == "low-affinity":
-            segments = place_units(names, cluster.gpus_per_node, unit, choice.inter_op, copies)
+            segments = place_units(names, cluster.gpus_per_node, unit, choice.inter_op, 1)
+            if rate:
+                copies = replicate(pmap, ctx, unit, choice.inter_op, goodput.rate_rps, rate,
+                                   names, cluster.gpus_per_node, progress)
+                unit, goodput, segments = copies.whole, copies.goodput, copies.segments
+                prefill = PhaseConfig(*unit.prefill, unit.n_prefill)
+                decode = PhaseConfig(*unit.decode, unit.n_decode)
         else:
             segments = place_instances(names, cluster.gpus_per_node, prefill, decode)
     except ClusterTooSmall as err:
         raise NoFeasiblePlan(
-            f"the plan needs {prefill.num_gpus + decode.num_gpus} GPUs"
-            + (f" for {rate} req/s" if rate else "") + f": {err}", choice.goodput.attainment,
+            "the plan does not fit the cluster" + (f" at {rate} req/s" if rate else "")
+            + f": {err}", choice.goodput.attainment,
         ) from None
-    stats, attained = _latency_at(pmap, ctx, unit, choice.goodput.rate_rps)
+    stats, attained = _latency_at(pmap, ctx, unit, goodput.rate_rps)
     return Plan(
         algorithm=algorithm, model=ctx.model, accelerator=ctx.accelerator,
         prefill=prefill, decode=decode, segments=segments,
-        goodput_rps=choice.goodput.rate_rps * copies, attainment=attained, latency=stats,
+        goodput_rps=goodput.rate_rps, attainment=attained, latency=stats,
         ttft_slo_s=ctx.slo.ttft_s, tpot_slo_s=ctx.slo.tpot_s,
         attainment_target=ctx.slo.attainment, rate_rps=rate,
     )
@@ -217,7 +222,7 @@ def _fixed(pmap, ctx, spec, names, per_node) -> Plan:
     except ClusterTooSmall as err:
         raise NoFeasiblePlan(f"the fixed placement does not fit: {err}") from None
     links = pair_links(segments, ctx.intra_node_bytes_per_s, ctx.inter_node_bytes_per_s)
-    unit = fixed_unit(prefill, decode, links)
+    unit = whole_unit(prefill, decode, links)
     (goodput,) = pmap(unit_goodput, [(ctx, unit)])
     choice = UnitChoice(unit, 1, goodput)
     _check_goodput(choice, ctx)
@@ -228,14 +233,6 @@ def _fixed(pmap, ctx, spec, names, per_node) -> Plan:
         attainment=attained, latency=stats, ttft_slo_s=ctx.slo.ttft_s,
         tpot_slo_s=ctx.slo.tpot_s, attainment_target=ctx.slo.attainment,
         rate_rps=spec.workload.rate_rps,
-    )
-
-
-def fixed_unit(prefill: PhaseConfig, decode: PhaseConfig, links) -> Unit:
-    """The simulated unit of a whole fixed placement (links: [prefill][decode] bytes/s)."""
-    return Unit(
-        (prefill.tp, prefill.pp), (decode.tp, decode.pp), prefill.instances,
-        decode.instances, tuple(tuple(row) for row in links),
     )
 
 

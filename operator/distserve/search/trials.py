@@ -177,16 +177,22 @@ def _phase_capacity(
 
 
 def unit_goodput(
-    ctx: SearchContext, unit: Unit, slo: SLO | None = None, rel_tol: float = REL_TOL
+    ctx: SearchContext, unit: Unit, slo: SLO | None = None, rel_tol: float | None = None,
+    estimate_rps: float | None = None,
 ) -> Goodput:
-    """Goodput of a unit under slo (default: the context's)."""
+    """Goodput of a unit under slo (default: the context's), bisected to rel_tol
+    (default REL_TOL) from estimate_rps (default: the instances' capacities)."""
     slo = slo or ctx.slo
-    bounds = []
-    if unit.n_prefill:
-        bounds.append(unit.n_prefill * _phase_capacity_rps(ctx, unit.prefill, "disaggregated")[0])
-    if unit.n_decode:
-        bounds.append(unit.n_decode * _phase_capacity_rps(ctx, unit.decode, "disaggregated")[1])
-    return find_goodput(lambda rate, s: run_unit(ctx, unit, rate, s), slo, min(bounds), rel_tol)
+    if estimate_rps is None:
+        bounds = []
+        if unit.n_prefill:
+            bounds.append(unit.n_prefill * _phase_capacity_rps(ctx, unit.prefill, "disaggregated")[0])
+        if unit.n_decode:
+            bounds.append(unit.n_decode * _phase_capacity_rps(ctx, unit.decode, "disaggregated")[1])
+        estimate_rps = min(bounds)
+    return find_goodput(
+        lambda rate, s: run_unit(ctx, unit, rate, s), slo, estimate_rps, rel_tol or REL_TOL
+    )
 
 
 def phase_goodput(ctx: SearchContext, phase: str, config: Config) -> Goodput:

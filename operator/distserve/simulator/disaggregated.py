@@ -1,17 +1,23 @@
 """DistServe's runtime in simulation: prefill instances, KV pull, decode instances.
 
 Decisions modelled (paper section 4.3):
-- a new request goes to the prefill instance with the shortest queue;
+- a new request goes to the prefill instance with the shortest queue, counted as the
+  router counts it: prompt tokens not yet prefilled (waiting or in the pipeline);
 - a prefill instance runs FCFS batches filled up to Lm prompt tokens (a longer prompt
   runs alone); a batch walks through the pipeline stages, waiting where a stage is
   still busy with the previous batch, so unequal batches leave bubbles;
 - a prefilled request keeps its KV in the prefill instance's memory and is handed to
-  the least loaded decode instance, which pulls it (FCFS) once it has room for the
-  request's whole context; prefill stops forming batches while its memory is full;
+  the least loaded decode instance among those on the fastest link from its prefill
+  instance (all of them when the links are equal), which pulls it (FCFS) once it has
+  room for the request's whole context; prefill stops forming batches while its
+  memory is full;
 - a decode instance with pp stages runs pp lanes (micro-batches) in turn, each a
   continuous batch; a new request joins the least loaded lane at its next boundary.
 NOTE: decode admits a request only when its final context (prompt + output) fits, so
-no preemption is needed or modelled. KV pulls into one decode instance go one at a
+no preemption is needed or modelled. Preferring the fastest link is what keeps the KV
+of replicated Algorithm 2 units on their node (the paper's premise): with least-loaded
+dispatch over all decode instances, half the KV of two replicas would cross the
+network and the pair would serve less than one replica. KV pulls into one decode instance go one at a
 time over the link between the two instances.
 """
 
@@ -52,11 +58,12 @@ class _Sim:
         self.first_token_s = [0.0] * trace.num_requests
         self.prefills: list[_Prefill] = []
         self.decodes: list[_Decode] = []
+        self.nearest_decodes: list[list[_Decode]] = []  # per prefill: on its fastest link
         self.is_prefill_only = False
 
     def arrive(self, rid: int) -> None:
         if self.prefills:
-            min(self.prefills, key=lambda p: len(p.queue)).enqueue(rid)
+            min(self.prefills, key=lambda p: p.unprefilled_tokens).enqueue(rid)
         else:  # decode-only trial: the request comes prefilled, first token at arrival
             self.first_token_s[rid] = self.loop.now
             self.rec.first_token(rid, self.loop.now)
@@ -73,7 +80,8 @@ class _Sim:
             self.hand_to_decode(rid, prefill.idx)
 
     def hand_to_decode(self, rid: int, prefill_idx: int) -> None:
-        min(self.decodes, key=lambda d: d.count + len(d.pending)).offer(rid, prefill_idx)
+        decodes = self.nearest_decodes[prefill_idx] if prefill_idx >= 0 else self.decodes
+        min(decodes, key=lambda d: d.count + len(d.pending)).offer(rid, prefill_idx)
 
 
 class _Prefill:
@@ -84,10 +92,12 @@ class _Prefill:
         self.queue: deque[int] = deque()
         self.stage_free_s = [0.0] * inst.pp
         self.held_tokens = 0
+        self.unprefilled_tokens = 0  # prompt tokens queued or in the pipeline
         self.is_waking = False
 
     def enqueue(self, rid: int) -> None:
         self.queue.append(rid)
+        self.unprefilled_tokens += self.sim.prompt[rid]
         self.try_start()
 
     def release(self, tokens: int) -> None:
@@ -131,6 +141,7 @@ class _Prefill:
 
     def _done(self, rids: list[int]) -> None:
         for rid in rids:
+            self.unprefilled_tokens -= self.sim.prompt[rid]
             self.sim.prefilled(rid, self)
 
 
@@ -229,6 +240,9 @@ def simulate_disaggregated(
         _Decode(sim, i, m, max_decode_batch, transfer, pps) for i, m in enumerate(decode)
     ]
     sim.is_prefill_only = not decode
+    for p in range(len(sim.prefills)):
+        fastest = min((d.s_per_token[p] for d in sim.decodes), default=0.0)
+        sim.nearest_decodes.append([d for d in sim.decodes if d.s_per_token[p] == fastest])
     sim.loop.arrivals(trace.arrival_s.tolist(), sim.arrive)
     sim.loop.run()
     return sim.rec.result()
