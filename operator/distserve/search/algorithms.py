@@ -102,7 +102,7 @@ def algorithm1(
     for _ in range(MAX_RESIZES):
         unit = Unit(cp, cd, n_p, n_d, ctx.inter_node_bytes_per_s)
         progress(f"algorithm 1: prefill tp{cp[0]}pp{cp[1]} x{n_p}, decode tp{cd[0]}pp{cd[1]} x{n_d}")
-        (joint,) = pmap(unit_goodput, [(ctx, unit)])
+        (joint,) = pmap(unit_goodput, [(ctx, unit, None, None, min(n_p * gp, n_d * gd))])
         if not rate_rps or joint.rate_rps >= rate_rps or joint.rate_rps <= 0:
             break
         # NOTE: both phases together miss more requests than either alone, so the
@@ -143,7 +143,10 @@ def algorithm2(
         batch = ranked[start:start + batch_size]
         if best is not None and batch[0][0] <= best.per_gpu_rps:
             break  # no pair left can beat the best joint goodput
-        results = pmap(unit_goodput, [(ctx, unit) for _, unit, _ in batch])
+        # NOTE: the phases' bound (both phases' SLOs at once) is where bisection starts
+        results = pmap(unit_goodput, [
+            (ctx, unit, None, None, per_gpu * unit.num_gpus) for per_gpu, unit, _ in batch
+        ])
         for (_, unit, k), joint in zip(batch, results, strict=True):
             choice = UnitChoice(unit, k, joint)
             if best is None or choice.per_gpu_rps > best.per_gpu_rps:

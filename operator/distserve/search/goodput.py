@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from distserve.simulator import SLO, SimResult
 
 REL_TOL = 0.03  # bisection stops when the bracket is this narrow relative to the rate
-STEP_FACTOR = 1.25  # the first bracketing step; estimates are usually within 25%
+STEP_FACTOR = 1.15  # the first bracketing step; estimates are usually within 15%
 MAX_SHRINK = 2.0**10  # below estimate / 2**10 the SLOs are unattainable at any rate
 
 

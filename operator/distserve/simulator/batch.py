@@ -98,13 +98,16 @@ class DecodeRun:
     requests that left, and decides what the lane does next.
     """
 
-    __slots__ = ("loop", "batch", "on_boundary", "is_stepping", "target_step", "version")
+    __slots__ = (
+        "loop", "batch", "on_boundary", "is_stepping", "is_cut", "target_step", "version"
+    )
 
     def __init__(self, loop, timer: StageTimer, on_boundary) -> None:
         self.loop = loop
         self.batch = DecodeBatch(timer)
         self.on_boundary = on_boundary
         self.is_stepping = False
+        self.is_cut = False  # the run already ends at the first boundary after a cut
         self.target_step = 0
         self.version = 0  # bumped to cancel a scheduled run end
 
@@ -113,10 +116,16 @@ class DecodeRun:
         batch = self.batch
         batch.time_s = self.loop.now
         steps = batch.steps_to_next_finish()
+        self.is_cut = False
         self._end_at(batch.step + steps, batch.time_s + batch.duration_s(steps))
 
     def cut_short(self) -> None:
         """End the current run at the first boundary at or after now."""
+        if self.is_cut:
+            # NOTE: the end is the first boundary at or after an earlier now, and it is
+            # still ahead, so it is the first one at or after this now too.
+            return
+        self.is_cut = True
         batch = self.batch
         steps = batch.steps_by(self.loop.now - batch.time_s)
         if batch.step + steps < self.target_step:

@@ -63,7 +63,10 @@ class _Sim:
 
     def arrive(self, rid: int) -> None:
         if self.prefills:
-            min(self.prefills, key=lambda p: p.unprefilled_tokens).enqueue(rid)
+            prefills = self.prefills
+            if len(prefills) > 1:
+                prefills = [min(prefills, key=lambda p: p.unprefilled_tokens)]
+            prefills[0].enqueue(rid)
         else:  # decode-only trial: the request comes prefilled, first token at arrival
             self.first_token_s[rid] = self.loop.now
             self.rec.first_token(rid, self.loop.now)
@@ -81,7 +84,9 @@ class _Sim:
 
     def hand_to_decode(self, rid: int, prefill_idx: int) -> None:
         decodes = self.nearest_decodes[prefill_idx] if prefill_idx >= 0 else self.decodes
-        min(decodes, key=lambda d: d.count + len(d.pending)).offer(rid, prefill_idx)
+        if len(decodes) > 1:
+            decodes = [min(decodes, key=lambda d: d.count + len(d.pending))]
+        decodes[0].offer(rid, prefill_idx)
 
 
 class _Prefill:
@@ -181,7 +186,10 @@ class _Decode:
     def _arrived(self, rid: int, p: int) -> None:
         if p >= 0:
             self.sim.prefills[p].release(self.sim.prompt[rid])
-        min(self.lanes, key=lambda lane: lane.load()).join(rid)
+        lanes = self.lanes
+        if len(lanes) > 1:
+            lanes = [min(lanes, key=lambda lane: lane.load())]
+        lanes[0].join(rid)
 
     def finished(self, rid: int) -> None:
         self.reserved_tokens -= self.sim.prompt[rid] + self.sim.output[rid]
