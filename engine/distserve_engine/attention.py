@@ -24,7 +24,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) block ids, padded with 0
     query_index: torch.Tensor | None  # (B, Qmax) flat token index per padded query; None: Q=1
     output_index: torch.Tensor | None  # (T,) flat (B*Qmax) index of each real token
-    attn_mask: torch.Tensor  # (B, 1, Qmax, K) True where a query may attend a key
+    attn_mask: torch.Tensor | None  # (B, 1, Qmax, K) True where a query may attend a key;
+    # None for a single new sequence: plain causal, which lets SDPA pick a flash kernel
     logits_index: torch.Tensor  # (B,) flat index of each sequence's last new token
     is_context_new: bool  # every key is a new token of this batch: skip the cache gather
 
@@ -58,7 +59,7 @@ def build_metadata(
         block_tables=tables.to(device),
         query_index=query_index,
         output_index=output_index,
-        attn_mask=mask[:, None].to(device),
+        attn_mask=None if is_context_new and len(starts) == 1 else mask[:, None].to(device),
         logits_index=(first_index + lens_t - 1).to(device),
         is_context_new=is_context_new,
     )
@@ -87,9 +88,16 @@ def paged_attention(
     else:
         keys = _gather_context(k_cache, meta.block_tables)  # (B, K, Hkv, D)
         values = _gather_context(v_cache, meta.block_tables)  # (B, K, Hkv, D)
+    is_gqa = num_heads != num_kv_heads
+    if is_gqa and q.is_cuda:
+        # NOTE: CUDA's fused kernels take a mask or GQA but not both; expand KV heads instead.
+        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=2)  # (B, K, H, D)
+        values = values.repeat_interleave(num_heads // num_kv_heads, dim=2)
+        is_gqa = False
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=meta.attn_mask, scale=scale, enable_gqa=num_heads != num_kv_heads,
+        attn_mask=meta.attn_mask, is_causal=meta.attn_mask is None, scale=scale,
+        enable_gqa=is_gqa,
     )  # (B, H, Qmax, D)
     out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)  # (B*Qmax, H*D)
     return out if meta.output_index is None else out[meta.output_index]  # (T, H*D)

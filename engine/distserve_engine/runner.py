@@ -91,8 +91,13 @@ class ModelRunner:
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Run all not-yet-cached tokens of each sequence; sample and append one token each."""
+        self._check_batch_size(seqs)
         for seq in seqs:
             self._check_prompt(seq)
+        num_new = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
+        if len(seqs) > 1 and num_new > self.config.max_num_batched_tokens:
+            raise EngineError(f"prefill batch: {num_new} tokens exceed max_num_batched_tokens "
+                              f"{self.config.max_num_batched_tokens} (a longer prompt runs alone)")
         self.block_manager.reserve(seqs, [s.num_tokens for s in seqs])
         new_tokens = [s.token_ids[s.num_cached_tokens:] for s in seqs]
         meta = self._metadata(seqs, [s.num_cached_tokens for s in seqs],
@@ -102,6 +107,7 @@ class ModelRunner:
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """Run one decode step over the sequences' newest tokens; append one token each."""
+        self._check_batch_size(seqs)
         for seq in seqs:
             if seq.num_cached_tokens != seq.num_tokens - 1:
                 raise EngineError(f"sequence {seq.seq_id}: decode needs a prefilled sequence "
@@ -113,6 +119,13 @@ class ModelRunner:
         meta = self._metadata(seqs, [s.num_tokens - 1 for s in seqs], [1] * len(seqs))
         input_ids = torch.tensor([s.last_token_id for s in seqs], device=self.device)
         return self._step(seqs, input_ids, meta)
+
+    def _check_batch_size(self, seqs: list[Sequence]) -> None:
+        if not seqs:
+            raise EngineError("batch: no sequences")
+        if len(seqs) > self.config.max_num_seqs:
+            raise EngineError(f"batch: {len(seqs)} sequences exceed max_num_seqs "
+                              f"{self.config.max_num_seqs}")
 
     def _check_prompt(self, seq: Sequence) -> None:
         n, vocab = seq.num_tokens, self.model_config.vocab_size
