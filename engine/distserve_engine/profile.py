@@ -34,6 +34,11 @@ from distserve_engine.sequence import Sequence as EngineSequence
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 # A decode split is kept only when it cuts the squared relative error by this share.
 SPLIT_MIN_GAIN = 0.2
+# Fast points (a tiny model) are repeated up to this many times to reach min_point_s.
+MAX_REPEATS = 50
+# The profile format's prefill formula is (a + b*S1 + c*S2) / pp + pp: at pp = 1 it adds
+# 1 ms, so the fitted a is written 1 ms lower for the planner to reproduce the timings.
+FORMAT_PREFILL_PP1_MS = 1.0
 ABC = tuple[float, float, float]
 
 
@@ -46,7 +51,8 @@ class ProfileGrid:
     decode_batch_sizes: tuple[int, ...]
     decode_context_lens: tuple[int, ...]
     warmup: int = 1  # untimed runs of each point (the first run of a shape is slower)
-    repeats: int = 3  # timed runs of each point; the median is kept
+    repeats: int = 3  # timed runs of each point at least; the median is kept
+    min_point_s: float = 0.05  # ... and more, up to MAX_REPEATS, until a point took this long
 
     @classmethod
     def default(cls, max_prefill_tokens: int = 512, max_decode_batch: int = 32,
@@ -102,8 +108,9 @@ class HardwareProfile:
 
     def fit_entry(self) -> dict:
         """The per-(model, tp) entry of a profile file (the a100-opt-profile.json shape)."""
+        a, b, c = self.prefill_abc
         return {
-            "prefill_abc": list(self.prefill_abc),
+            "prefill_abc": [a - FORMAT_PREFILL_PP1_MS, b, c],
             "decode_small_batch_abc": list(self.decode_small_batch_abc),
             "decode_large_batch_abc": list(self.decode_large_batch_abc),
             "large_batch_from": self.large_batch_from,
@@ -131,8 +138,8 @@ def profile_runner(runner: ModelRunner, grid: ProfileGrid,
     decode = [
         _time_decode(runner, batch_size, context_len, grid)
         for batch_size, context_len in itertools.product(grid.decode_batch_sizes, grid.decode_context_lens)
-        if context_len + grid.warmup + grid.repeats <= runner.max_model_len
-        and runner.can_allocate(batch_size * (context_len + grid.warmup + grid.repeats))
+        if context_len + grid.warmup + MAX_REPEATS <= runner.max_model_len
+        and runner.can_allocate(batch_size * (context_len + grid.warmup + MAX_REPEATS))
     ]
     say(f"timed {len(decode)} decode steps")
     if len(prefill) < 3 or len(decode) < 3:
@@ -155,13 +162,18 @@ def profile_runner(runner: ModelRunner, grid: ProfileGrid,
 
 def profile_model(config: EngineConfig, grid: ProfileGrid | None = None, threads: int | None = None,
                   progress: Callable[[str], None] | None = None) -> HardwareProfile:
-    """Load the model on config.device and profile it (on CPU with `threads` threads)."""
+    """Load the model on config.device and profile it (on CPU with `threads` threads,
+    torch's thread count restored afterwards)."""
+    previous_threads = torch.get_num_threads()
     if config.device_type == "cpu" and threads:
         torch.set_num_threads(threads)
-    runner = ModelRunner(config)
-    if grid is None:
-        grid = ProfileGrid.default(max_context_len=min(512, runner.max_model_len // 2))
-    return profile_runner(runner, grid, progress)
+    try:
+        runner = ModelRunner(config)
+        if grid is None:
+            grid = ProfileGrid.default(max_context_len=min(512, runner.max_model_len // 2))
+        return profile_runner(runner, grid, progress)
+    finally:
+        torch.set_num_threads(previous_threads)
 
 
 def fit_abc(timings: Sequence[Timing]) -> ABC:
@@ -192,6 +204,8 @@ def fit_decode(timings: Sequence[Timing]) -> tuple[ABC, ABC, int]:
     largest = max(t.x2 for t in timings)
     best = (single, single, largest + 1)
     best_loss = _rel_loss(timings, lambda t: _eval(single, t.x1, t.x2))
+    if best_loss < 1e-12:  # one line already fits to rounding error
+        return best
     threshold = best_loss * (1 - SPLIT_MIN_GAIN)
     for split in sorted({t.x2 for t in timings}):
         small = [t for t in timings if t.x2 < split]
@@ -214,45 +228,59 @@ def fit_error(timings: Sequence[Timing], predict: Callable[[Timing], float]) -> 
 
 def _time_prefill(runner: ModelRunner, prompt_lens: tuple[int, ...], grid: ProfileGrid) -> Timing:
     vocab = runner.model_config.vocab_size
-    times_ms = []
-    for run in range(grid.warmup + grid.repeats):
-        seqs = [EngineSequence(seq_id=f"p{run}.{i}", params=GREEDY,
-                               prompt_token_ids=[(7 * j + i) % vocab for j in range(n)])
-                for i, n in enumerate(prompt_lens)]
-        elapsed_ms = _timed(runner, lambda seqs=seqs: runner.prefill(seqs))
-        for seq in seqs:
-            runner.free(seq)
-        if run >= grid.warmup:
-            times_ms.append(elapsed_ms)
-    label = "x".join(map(str, prompt_lens)) if len(set(prompt_lens)) > 1 else (
-        f"{len(prompt_lens)}x{prompt_lens[0]}")
-    return Timing(sum(prompt_lens), sum(n * n for n in prompt_lens), statistics.median(times_ms),
-                  f"prefill {label}")
+    prompts = [[(7 * j + i) % vocab for j in range(n)] for i, n in enumerate(prompt_lens)]
+
+    def run_once() -> float:
+        seqs = [EngineSequence(seq_id=i, prompt_token_ids=list(p), params=GREEDY)
+                for i, p in enumerate(prompts)]
+        try:
+            return _timed(runner, lambda: runner.prefill(seqs))
+        finally:
+            for seq in seqs:
+                runner.free(seq)
+
+    shape = f"{len(prompt_lens)}x{prompt_lens[0]}" if len(set(prompt_lens)) == 1 else (
+        "+".join(map(str, prompt_lens)))
+    return Timing(sum(prompt_lens), sum(n * n for n in prompt_lens), _median_ms(run_once, grid),
+                  f"prefill {shape}")
 
 
 def _time_decode(runner: ModelRunner, batch_size: int, context_len: int, grid: ProfileGrid) -> Timing:
-    steps = grid.warmup + grid.repeats
-    seqs = [EngineSequence(seq_id=f"d{i}", params=GREEDY,
-                           prompt_token_ids=[(5 * j + i) % runner.model_config.vocab_size
-                                             for j in range(context_len)])
+    vocab = runner.model_config.vocab_size
+    seqs = [EngineSequence(seq_id=i, prompt_token_ids=[(5 * j + i) % vocab for j in range(context_len)],
+                           params=GREEDY)
             for i in range(batch_size)]
-    # Synthetic contexts: blocks for every step, all but the newest token "cached".
-    runner.block_manager.reserve(seqs, [context_len + steps] * batch_size)
+    # Synthetic contexts: blocks reserved, all but the newest token taken as cached; each
+    # step grows the contexts by one token (the runner reserves the blocks it needs).
+    runner.block_manager.reserve(seqs, [context_len] * batch_size)
     for seq in seqs:
         seq.num_cached_tokens = context_len - 1
-    times_ms, sums = [], []
+    context_sums: list[int] = []
+
+    def run_once() -> float:
+        context_sums.append(sum(s.num_tokens for s in seqs))  # T: context + the new token
+        return _timed(runner, lambda: runner.decode(seqs))
+
     try:
-        for step in range(steps):
-            total = sum(s.num_tokens for s in seqs)  # T: context + the new token
-            elapsed_ms = _timed(runner, lambda: runner.decode(seqs))
-            if step >= grid.warmup:
-                times_ms.append(elapsed_ms)
-                sums.append(total)
+        median_ms = _median_ms(run_once, grid)
     finally:
         for seq in seqs:
             runner.free(seq)
-    return Timing(round(statistics.fmean(sums)), batch_size, statistics.median(times_ms),
+    return Timing(round(statistics.fmean(context_sums)), batch_size, median_ms,
                   f"decode B={batch_size} ctx={context_len}")
+
+
+def _median_ms(run_once: Callable[[], float], grid: ProfileGrid) -> float:
+    """The median of one point's timed runs: after the warm-up, at least grid.repeats
+    runs, and more (up to MAX_REPEATS) until they add up to grid.min_point_s."""
+    for _ in range(grid.warmup):
+        run_once()
+    times_ms: list[float] = []
+    while len(times_ms) < grid.repeats or (
+        sum(times_ms) < grid.min_point_s * 1e3 and len(times_ms) < MAX_REPEATS
+    ):
+        times_ms.append(run_once())
+    return statistics.median(times_ms)
 
 
 def _timed(runner: ModelRunner, call: Callable[[], object]) -> float:

@@ -19,6 +19,7 @@ COMMANDS = [
     "distserve.cli.plan",
     "distserve.cli.simulate",
     "distserve.cli.up",
+    "distserve.cli.profile",
     "distserve.cli.operator",
 ]
 
