@@ -37,8 +37,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int | None = None  # KV memory budget; ignored when num_blocks is set
     num_blocks: int | None = None  # explicit number of KV blocks
-    max_num_seqs: int = 256  # most sequences in one batch
-    max_num_batched_tokens: int = 8192  # prefill token budget a scheduler fills to
+    max_num_seqs: int = 256  # most sequences in one batch (the runner rejects more)
+    max_num_batched_tokens: int = 8192  # prefill token budget a scheduler fills to (not enforced)
     max_model_len: int | None = None  # cap on context length (default: the model's)
     seed: int = 0  # seeds weights-independent randomness (unseeded sampling)
     tp: int = 1  # tensor-parallel degree

@@ -94,10 +94,6 @@ class ModelRunner:
         self._check_batch_size(seqs)
         for seq in seqs:
             self._check_prompt(seq)
-        num_new = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
-        if len(seqs) > 1 and num_new > self.config.max_num_batched_tokens:
-            raise EngineError(f"prefill batch: {num_new} tokens exceed max_num_batched_tokens "
-                              f"{self.config.max_num_batched_tokens} (a longer prompt runs alone)")
         self.block_manager.reserve(seqs, [s.num_tokens for s in seqs])
         new_tokens = [s.token_ids[s.num_cached_tokens:] for s in seqs]
         meta = self._metadata(seqs, [s.num_cached_tokens for s in seqs],
