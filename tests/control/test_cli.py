@@ -46,6 +46,14 @@ def test_plan_table_shows_placement_latency_and_baselines(tmp_path, capsys):
     assert "latency      profile a100-opt-profile.json (tp 1, 2, 4 only)" in out
 
 
+def test_plot_writes_a_png_of_attainment_curves(tmp_path, capsys):
+    png = tmp_path / "curves.png"
+    assert main(["plan", "-f", write_spec(tmp_path), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000  # axes, three curves and a legend, not an empty canvas
+    assert f"wrote {png}" in capsys.readouterr().err
+
+
 def test_invalid_spec_names_the_field_and_exits_2(tmp_path, capsys):
     path = write_spec(tmp_path, slo={"ttftSeconds": -1, "tpotSeconds": 0.1})
     assert main(["plan", "-f", path]) == 2

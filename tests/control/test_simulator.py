@@ -44,16 +44,19 @@ def test_single_prefill_instance_is_an_md1_queue(utilisation):
 
 
 def test_intra_op_wins_at_low_rate_and_inter_op_at_high_rate():
-    k = 1.5
+    k = 1.2  # eqs 2 and 3 cross at ~4.4 req/s, where intra-op is only 36% busy
     inter = [make_instance(pp=2, prefill_s_per_token=D_S / PROMPT)]  # stage time D/2
     intra = [make_instance(prefill_s_per_token=D_S / k / PROMPT)]  # D/K
-    low, high = 2.0, 12.0  # requests per second; intra-op saturates at K / D = 15
+    # NOTE: the high rate keeps both queues at most half busy, where the mean of
+    # 40,000 M/D/1 waits is within ~1.2% of the formula for any seed (checked 2-9),
+    # so 3% holds with room; near saturation it would need millions of requests.
+    low, high = 1.0, 6.0  # requests per second; intra-op saturates at K / D = 12
     results = {}
     for rate in (low, high):
         trace = make_trace(40000, rate, prompt_tokens=PROMPT, output_tokens=1, seed=2)
         results[rate] = (mean_ttft(trace, inter), mean_ttft(trace, intra))
-        assert results[rate][0] == pytest.approx(inter_op_ttft(rate, D_S), rel=0.05)
-        assert results[rate][1] == pytest.approx(intra_op_ttft(rate, D_S, k), rel=0.05)
+        assert results[rate][0] == pytest.approx(inter_op_ttft(rate, D_S), rel=0.03)
+        assert results[rate][1] == pytest.approx(intra_op_ttft(rate, D_S, k), rel=0.03)
     assert results[low][1] < results[low][0]  # intra-op better at low rate
     assert results[high][0] < results[high][1]  # inter-op better at high rate
 
