@@ -88,3 +88,12 @@ def test_simulate_refuses_a_placement_that_does_not_fit(tmp_path, capsys):
     path = write_spec(tmp_path, model={"name": "facebook/opt-66b"})
     assert main(["simulate", "-f", path, "--rate", "1", "--prefill", "1x1x1", "--decode", "1x1x1"]) == 1
     assert "does not fit" in capsys.readouterr().err
+
+
+def test_simulate_refuses_an_unprofiled_degree_of_a_profiled_model(tmp_path, capsys):
+    path = write_spec(tmp_path)  # OPT-13B is profiled at tp 1, 2 and 4 on A100
+    assert main(["simulate", "-f", path, "--rate", "1", "--prefill", "5x1x1", "--decode", "1x1x1"]) == 1
+    assert "latencyModel: analytic" in capsys.readouterr().err
+    analytic = write_spec(tmp_path, planner={"numRequests": 100, "workers": 1, "latencyModel": "analytic"})
+    assert main(["simulate", "-f", analytic, "--rate", "1", "--prefill", "2x1x1", "--decode", "1x1x1"]) == 0
+    assert "latency      analytic" in capsys.readouterr().out
