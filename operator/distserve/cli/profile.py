@@ -60,6 +60,7 @@ def run(args) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_PROFILE_ERROR
+    load_before = os.getloadavg()
     try:
         measured = _measure(spec, args.threads, args.repeats)
     except ImportError as err:
@@ -69,7 +70,7 @@ def run(args) -> int:
     except (ValueError, RuntimeError, OSError) as err:  # EngineError is a ValueError
         print(f"error: profiling failed: {err}", file=sys.stderr)
         return EXIT_PROFILE_ERROR
-    doc = profile_document(measured, model, accelerator, _provenance(args, measured))
+    doc = profile_document(measured, model, accelerator, _provenance(args, measured, load_before))
     output.write_text(json.dumps(doc, indent=1) + "\n")
     print(_summary(measured, output))
     return 0
@@ -126,7 +127,7 @@ def profile_document(measured: Any, model: str, accelerator: str, provenance: di
     """The profile file: the a100-opt-profile.json shape plus provenance and the raw timings."""
     entry = {"1": measured.fit_entry()}
     return {
-        "about": provenance["about"],
+        "about": f"{model} on {accelerator}: {provenance['about']}",
         "accelerator": accelerator,
         "device": provenance["device"],
         "provenance": {k: v for k, v in provenance.items() if k not in ("about", "device")},
@@ -155,13 +156,14 @@ def _timing_row(timing: Any, x1: str, x2: str) -> dict:
     return {"what": timing.label, x1: timing.x1, x2: timing.x2, "ms": round(timing.ms, 3)}
 
 
-def _provenance(args, measured: Any) -> dict:
+def _provenance(args, measured: Any, load_before: tuple[float, float, float]) -> dict:
     """Who measured what, where, when and under what load (the numbers depend on all four)."""
     import torch
 
     command = "distserve profile " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
         if sys.argv[1:2] == ["profile"] else f"distserve profile -f {args.file}"
     load = [round(x, 2) for x in os.getloadavg()]
+    load_1min = f"{load_before[0]:.2f} at the start, {load[0]:.2f} at the end"
     cpu = _cpu_model()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     device = {"type": measured.device, "threads": measured.threads, "cpu_model": cpu,
@@ -171,10 +173,11 @@ def _provenance(args, measured: Any) -> dict:
     where = device.get("gpu_model") or f"{measured.threads} thread(s) of {cpu}"
     return {
         "about": f"Latency measured by `{command}` on {date} on {where} ({os.cpu_count()} cores, "
-                 f"load average {load[0]} while measuring, {platform.node() or 'unknown host'}). "
+                 f"1-minute load average {load_1min}, host {platform.node() or 'unknown'}). "
                  "Times are milliseconds. They depend on the machine and its load: re-measure "
                  "on the machine that serves.",
-        "command": command, "date": date, "load_average_1_5_15": load,
+        "command": command, "date": date,
+        "load_average_1_5_15": {"start": [round(x, 2) for x in load_before], "end": load},
         "seconds": round(measured.seconds, 1), "device": device,
     }
 
