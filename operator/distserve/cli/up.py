@@ -111,6 +111,7 @@ def _demo(args, spec, plan, launcher) -> int:
     outcomes = asyncio.run(drive(launcher.url, spec.model.name, requests, seed=spec.planner.seed))
     summary = summarize(outcomes, rate_rps, spec.slo.ttft_seconds, spec.slo.tpot_seconds)
     print(format_summary(summary, plan, spec.slo.attainment))
-    if plan is not None and spec.cluster.accelerator.upper() == "CPU":
-        print("  note: the planner predicts the CPU with its analytic model (no measured CPU profile)")
+    if plan is not None and spec.cluster.accelerator.upper() == "CPU" and not spec.planner.profile_path:
+        print("  note: the planner predicts the CPU with its analytic model (no measured CPU profile: "
+              "see `distserve profile`)")
     return 0
