@@ -125,7 +125,9 @@ def algorithm2(
         if model.num_layers % k == 0
     ]
     k_to_segs = {
-        k: sorted(set(segment_configs(model, ctx.accelerator, cluster, k, min(min_kv), ctx.latency)))
+        k: sorted(set(segment_configs(
+            model, ctx.accelerator, cluster, k, min(min_kv), ctx.latency, ctx.profile_path
+        )))
         for k in inter_ops
     }
     configs = [(tp, k * lpp) for k, segs in k_to_segs.items() for tp, lpp in segs]
@@ -177,4 +179,5 @@ def _ranked_units(ctx, cluster, k_to_segs, table, min_kv) -> list[tuple[float, U
 
 
 def _has_kv(ctx: SearchContext, config: Config, tokens: int) -> bool:
-    return kv_capacity_tokens(ctx.model, ctx.accelerator, *config) >= tokens
+    capacity = kv_capacity_tokens(ctx.model, ctx.accelerator, *config, profile_path=ctx.profile_path)
+    return capacity >= tokens

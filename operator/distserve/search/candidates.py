@@ -47,14 +47,19 @@ def pp_degrees(model: ModelArch, max_pp: int) -> list[int]:
     return [pp for pp in range(1, max_pp + 1) if model.num_layers % pp == 0]
 
 
-def fits(model: ModelArch, accelerator: str, config: Config, min_kv_tokens: int) -> bool:
-    """Whether weights fit with KV room for min_kv_tokens tokens."""
-    return kv_capacity_tokens(model, accelerator, *config) >= min_kv_tokens
+def fits(
+    model: ModelArch, accelerator: str, config: Config, min_kv_tokens: int,
+    profile_path: str | None = None,
+) -> bool:
+    """Whether weights fit with KV room for min_kv_tokens tokens (measured capacity from
+    the profile at profile_path where it has the point, as the trials use)."""
+    capacity = kv_capacity_tokens(model, accelerator, *config, profile_path=profile_path)
+    return capacity >= min_kv_tokens
 
 
 def instance_configs(
     model: ModelArch, accelerator: str, cluster: ClusterShape, min_kv_tokens: int,
-    latency: SourceChoice,
+    latency: SourceChoice, profile_path: str | None = None,
 ) -> list[Config]:
     """Configurations for Algorithm 1 (and the baselines): anywhere in the cluster."""
     max_gpus = cluster.gpus_per_node * min(cluster.max_nodes_per_instance, cluster.num_nodes)
@@ -62,13 +67,13 @@ def instance_configs(
         (tp, pp)
         for tp in tp_degrees(model, cluster.gpus_per_node, latency)
         for pp in pp_degrees(model, max_gpus // tp)
-        if fits(model, accelerator, (tp, pp), min_kv_tokens)
+        if fits(model, accelerator, (tp, pp), min_kv_tokens, profile_path)
     ]
 
 
 def segment_configs(
     model: ModelArch, accelerator: str, cluster: ClusterShape, inter_op: int, min_kv_tokens: int,
-    latency: SourceChoice,
+    latency: SourceChoice, profile_path: str | None = None,
 ) -> list[Config]:
     """Algorithm 2's get_intra_node_configs: (tp, stages per node) of a segment that
     leaves at least one GPU of the node for the other phase."""
@@ -77,6 +82,8 @@ def segment_configs(
     for tp in tp_degrees(model, room, latency):
         for local_pp in range(1, room // tp + 1):
             pp = inter_op * local_pp
-            if model.num_layers % pp == 0 and fits(model, accelerator, (tp, pp), min_kv_tokens):
+            if model.num_layers % pp == 0 and fits(
+                model, accelerator, (tp, pp), min_kv_tokens, profile_path
+            ):
                 found.append((tp, local_pp))
     return found

@@ -64,7 +64,9 @@ def plan_deployment(
     )
     min_kv = _min_kv_tokens(ctx.trace)
     progress(f"latency source: {ctx.latency.describe()}")
-    configs = instance_configs(model, ctx.accelerator, cluster, min_kv[1], ctx.latency)
+    configs = instance_configs(
+        model, ctx.accelerator, cluster, min_kv[1], ctx.latency, ctx.profile_path
+    )
     with _pool(spec.planner.workers) as pmap:
         if spec.placement is not None:
             plan = _fixed(pmap, ctx, spec, names, per_node)
