@@ -62,6 +62,7 @@ def test_bf16_cpu_close_to_fp32(tiny_llama_dir):
     torch.testing.assert_close(bf16.score(prompt), fp32.score(prompt), atol=0.5, rtol=0.05)
 
 
+@pytest.mark.slow  # ~2 minutes: transformers dequantizes the GGUF itself
 def test_smollm2_gguf_matches_transformers(smollm2_dir, smollm2_runner):
     ref = hf_model_from_gguf(next(smollm2_dir.glob("*.gguf")))
     tok = smollm2_runner.tokenizer

@@ -43,7 +43,8 @@ def rank_main(rank: int, folder: str, tp: int, pp: int, port: int, out_dir: str)
 
 
 @pytest.mark.parametrize("fixture, tp, pp", [
-    ("tiny_llama_dir", 2, 1), ("tiny_llama_dir", 1, 2), ("tiny_opt_dir", 2, 1),
+    ("tiny_llama_dir", 2, 1), ("tiny_llama_dir", 1, 2),
+    pytest.param("tiny_opt_dir", 2, 1, marks=pytest.mark.slow),
 ])
 def test_two_ranks_match_one(fixture, tp, pp, request, tmp_path):
     folder = request.getfixturevalue(fixture)
