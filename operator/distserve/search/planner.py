@@ -185,7 +185,7 @@ def _searched(pmap, ctx, spec, model, cluster, names, min_kv, configs, progress)
         if algorithm == "low-affinity":
             segments = place_units(names, cluster.gpus_per_node, unit, choice.inter_op, 1)
             if rate:
-                copies = replicate(pmap, ctx, unit, choice.inter_op, goodput.rate_rps, rate,
+                copies = replicate(pmap, ctx, unit, choice.inter_op, goodput, rate,
                                    names, cluster.gpus_per_node, progress)
                 unit, goodput, segments = copies.whole, copies.goodput, copies.segments
                 prefill = PhaseConfig(*unit.prefill, unit.n_prefill)

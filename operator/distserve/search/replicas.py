@@ -42,15 +42,19 @@ def whole_unit(prefill: PhaseConfig, decode: PhaseConfig, links) -> Unit:
 
 
 def replicate(
-    pmap: Callable, ctx: SearchContext, unit: Unit, inter_op: int, unit_goodput_rps: float,
+    pmap: Callable, ctx: SearchContext, unit: Unit, inter_op: int, one: Goodput,
     rate_rps: float, node_names: list[str], gpus_per_node: int,
     progress: Callable[[str], None],
 ) -> Replicated:
-    """Copies of unit, placed and simulated together, grown until they serve rate_rps.
+    """Copies of unit (whose own goodput is `one`), placed and simulated together,
+    grown until they serve rate_rps.
 
     Raises ClusterTooSmall when the copies needed do not fit on the nodes.
     """
-    copies = max(1, math.ceil(rate_rps / unit_goodput_rps))
+    copies = max(1, math.ceil(rate_rps / one.rate_rps))
+    if copies == 1:  # the unit alone serves the rate: its joint goodput is already known
+        segments = place_units(node_names, gpus_per_node, unit, inter_op, 1)
+        return Replicated(unit, 1, segments, one)
     for _ in range(MAX_GROWTHS):
         try:
             segments = place_units(node_names, gpus_per_node, unit, inter_op, copies)
@@ -64,7 +68,7 @@ def replicate(
             PhaseConfig(*unit.decode, unit.n_decode * copies),
             pair_links(segments, ctx.intra_node_bytes_per_s, ctx.inter_node_bytes_per_s),
         )
-        (goodput,) = pmap(unit_goodput, [(ctx, whole, None, None, copies * unit_goodput_rps)])
+        (goodput,) = pmap(unit_goodput, [(ctx, whole, None, None, copies * one.rate_rps)])
         progress(f"replicas: {copies} x unit serve {goodput.rate_rps:.2f} req/s "
                  f"(target {rate_rps} req/s)")
         if goodput.rate_rps >= rate_rps or goodput.rate_rps <= 0:
