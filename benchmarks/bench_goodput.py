@@ -6,9 +6,11 @@ The paper (90% attainment): chatbot 2.0-4.6x vLLM, code 5.7x, summarization 4.3x
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from distserve.search import plan_deployment
+from distserve.search.planner import latency_choice
 from distserve.spec import load_manifest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -23,7 +25,9 @@ SETTINGS = [
 
 def main() -> None:
     for name, paper_vllm, paper_mii in SETTINGS:
-        plan = plan_deployment(load_manifest(EXAMPLES / f"{name}.yaml").spec)
+        spec = load_manifest(EXAMPLES / f"{name}.yaml").spec
+        plan = plan_deployment(spec)
+        source = latency_choice(spec).source
         colo, chunk = plan.baselines["colocated"], plan.baselines["chunked_prefill"]
         print(
             f"bench_goodput {name:<22} distserve {plan.per_gpu_goodput_rps:.3f} req/s/GPU "
@@ -33,7 +37,7 @@ def main() -> None:
             f"-> {plan.per_gpu_goodput_rps / colo.per_gpu_goodput_rps:.1f}x [paper {paper_vllm}] | "
             f"chunked {chunk.per_gpu_goodput_rps:.3f} (tp{chunk.tp}pp{chunk.pp}) "
             f"-> {plan.per_gpu_goodput_rps / chunk.per_gpu_goodput_rps:.1f}x [paper {paper_mii}] | "
-            f"search {plan.search_seconds:.1f} s",
+            f"latency {source} | search {plan.search_seconds:.1f} s load1={os.getloadavg()[0]:.1f}",
             flush=True,
         )
 
