@@ -121,7 +121,10 @@ class DecodeInstance(InstanceLoop):
             # Replays the prefill's stop check of the first token: rebuilds the streaming
             # text state (its text already went out with the PrefillOutput).
             self.runner.check_stop(seq)
-            self.runner.import_kv(seq, blob)
+            import_started_s = now_s()
+            self.runner.import_kv(seq, blob)  # the copy into this cache ends the transfer
+            stats.finished_s += now_s() - import_started_s
+            self._pool.submit(self.fetcher.release, incoming.prefill.kv)
             self.batch.add(
                 Running(
                     request=incoming.request,

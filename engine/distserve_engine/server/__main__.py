@@ -28,12 +28,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 
 import uvicorn
 
 ROLES = ("prefill", "decode", "colocated", "router", "all")
+# Thread pools that size themselves from the machine, not from the affinity mask, unless
+# told before the library is imported: OpenMP/MKL/OpenBLAS (torch), and the Rust pool of
+# Hugging Face tokenizers.
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,14 +58,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def pin_process(cores: list[int] | None) -> None:
+    """Pin this process to `cores` and size every thread pool to them, before torch loads.
+
+    # NOTE: OpenMP reads OMP_NUM_THREADS once, when torch is imported; setting threads
+    # afterwards leaves a pool sized to the whole machine spinning on the other cores.
+    """
+    if not cores:
+        return
+    os.sched_setaffinity(0, set(cores))
+    for name in THREAD_ENV:
+        os.environ[name] = str(len(cores))
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
 def build_app(args: argparse.Namespace):
     """The FastAPI app this process serves."""
+    cores = [int(c) for c in args.cpu_cores.split(",")] if args.cpu_cores else None
+    pin_process(cores)
     from distserve_engine.server import assembly
     from distserve_engine.server.instance_app import build_instance_app
     from distserve_engine.server.settings import ServeSettings
 
     settings = ServeSettings.load(args.config)
-    cores = [int(c) for c in args.cpu_cores.split(",")] if args.cpu_cores else None
     assembly.pin_cpu(cores)
     name = args.instance or f"{args.role}-0"
     if args.role in assembly.ROLES:

@@ -22,12 +22,16 @@ ROLES = ("prefill", "decode", "colocated")
 
 
 def pin_cpu(cores: list[int] | None, num_threads: int | None = None) -> None:
-    """Pin this process to these cores and size torch's thread pool to them."""
+    """Pin this process to these cores and size torch's thread pools to them."""
     if cores:
         os.sched_setaffinity(0, set(cores))
     threads = num_threads or (len(cores) if cores else None)
     if threads:
         torch.set_num_threads(threads)
+        try:
+            torch.set_num_interop_threads(1)  # one op at a time: the engine thread's
+        except RuntimeError:  # already set, or inter-op work already ran in this process
+            pass
 
 
 def build_instance(role: str, name: str, settings: ServeSettings, runner: Any = None,

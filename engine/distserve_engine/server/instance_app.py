@@ -5,7 +5,8 @@ Internal endpoints (JSON; the contract is `request.py`'s dataclasses):
 - `POST /decode` {request, prefill} -> JSON lines of TokenEvents (decode role)
 - `POST /generate` {request} -> JSON lines of TokenEvents (colocated role)
 - `GET /kv/{id}` raw K then V bytes, header in X-KV-Header (prefill; TCP transfer)
-- `POST /kv/{id}/shm` -> header with a /dev/shm path (prefill; shared-memory transfer)
+- `POST /kv/{id}/shm` -> header: where in this process's /dev/shm arena the KV now is
+  (prefill; shared-memory transfer); `DELETE /kv/{id}/shm` releases that range.
 - `DELETE /requests/{id}` cancel; `GET /load`, `GET /health`, `GET /metrics`.
 A caller that disconnects from a prefill or a stream cancels the request.
 """
@@ -24,10 +25,16 @@ from distserve_engine.metrics import CONTENT_TYPE
 from distserve_engine.request import PrefillOutput, ServeRequest, TokenEvent
 from distserve_engine.transfer import shm, tcp
 
+MAX_ARENA_BYTES = 1 << 30  # the shared-memory arena never holds more than the KV cache
+
 
 def build_instance_app(instance: Any, metrics: Any = None) -> FastAPI:
     """The FastAPI app of a prefill, decode or colocated instance."""
     app = FastAPI(title=f"DistServe {instance.role} instance {instance.name}")
+    arena = None
+    if instance.role == "prefill" and shm.is_available():
+        arena = shm.Arena(min(instance.runner.kv_cache.nbytes, MAX_ARENA_BYTES))
+        app.router.on_shutdown.append(arena.close)
 
     def sink_to(queue: asyncio.Queue) -> Any:
         loop = asyncio.get_running_loop()
@@ -88,7 +95,13 @@ def build_instance_app(instance: Any, metrics: Any = None) -> FastAPI:
             blob = await asyncio.to_thread(instance.take_kv, request_id)
         except KeyError:
             return JSONResponse({"error": f"no KV held for {request_id}"}, status_code=404)
-        return JSONResponse(await asyncio.to_thread(shm.write, blob))
+        if arena is None:
+            return JSONResponse(await asyncio.to_thread(shm.write_file, blob))
+        return JSONResponse(await asyncio.to_thread(arena.put, request_id, blob))
+
+    @app.delete("/kv/{request_id}/shm")
+    async def kv_shm_release(request_id: str) -> dict:
+        return {"released": arena is not None and arena.release(request_id)}
 
     @app.delete("/requests/{request_id}")
     async def cancel(request_id: str) -> dict:

@@ -14,6 +14,7 @@ class KVFetcher:
 
     def __init__(self) -> None:
         self._client = httpx.Client()
+        self._arenas = shm.ArenaReader()
 
     def transport_for(self, handle: KVHandle) -> str:
         """'inprocess', 'shm' or 'tcp', from the handle's process and host."""
@@ -32,10 +33,19 @@ class KVFetcher:
         elif transport == "shm":
             response = self._client.post(f"{handle.url}/kv/{handle.request_id}/shm", timeout=tcp.TIMEOUT_S)
             response.raise_for_status()
-            blob = shm.read(response.json())
+            blob = self._arenas.view(response.json())  # a view: copied by the import
         else:
             blob = tcp.fetch(self._client, handle)
         return blob, TransferStats(transport, blob.nbytes, started_s, now_s())
+
+    def release(self, handle: KVHandle) -> None:
+        """After the import: let the prefill instance reuse the shared memory (shm only)."""
+        if self.transport_for(handle) != "shm":
+            return
+        try:
+            self._client.delete(f"{handle.url}/kv/{handle.request_id}/shm", timeout=tcp.TIMEOUT_S)
+        except httpx.HTTPError:  # the prefill instance is gone, and its arena with it
+            pass
 
     def close(self) -> None:
         """Close the HTTP connections."""
