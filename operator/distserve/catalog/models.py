@@ -184,7 +184,11 @@ def get_model(name_or_path: str | Path | ModelArch) -> ModelArch:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        return model_from_hf_config(path)
+        model = model_from_hf_config(path)
+        # NOTE: callers pass the model on by name (the planner's SearchContext); remember
+        # it so that the name resolves too, here and in the worker processes forked later.
+        _NAME_TO_MODEL.setdefault(model.name.lower(), model)
+        return model
     raise ValueError(
         f"unknown model {key!r}: expected one of {', '.join(known_models())}, "
         "or a path to a Hugging Face config.json (or a folder holding one)"
