@@ -8,6 +8,7 @@ for its interleaved rotary, which is undone here so the HF (half-split) rotary a
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -111,7 +112,9 @@ def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise CheckpointError(f"cannot read weights file {file}: {e}") from e
 
 
+@functools.lru_cache(maxsize=2)
 def _gguf_reader(path: Path) -> Any:
+    """The parsed GGUF file, shared by config and weight loading (parsing takes seconds)."""
     import gguf
 
     try:
