@@ -8,6 +8,7 @@ when to free them. With tp * pp > 1 every rank is built and called the same way 
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
@@ -33,6 +34,8 @@ from distserve_engine.sampling import Sampler
 from distserve_engine.sequence import Sequence
 from distserve_engine.stopping import StopChecker
 from distserve_engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -61,6 +64,10 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.stop_checker = StopChecker(self.tokenizer, self.max_model_len)
         self.last_logits: torch.Tensor | None = None  # (B, V) of the latest step, last stage
+        logger.info("%s on %s %s: KV cache %d blocks x %d tokens (%.1f MiB, %d tokens), "
+                    "max_model_len %d", self.model_config.architecture, self.device, self.dtype,
+                    self.num_blocks, config.block_size, self.kv_cache.nbytes / 2**20,
+                    self.num_blocks * config.block_size, self.max_model_len)
 
     def _build_kv_cache(self) -> KVCache:
         c, m = self.config, self.model_config
