@@ -43,7 +43,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = _rank_device(config, rank)
         self.dtype = config.torch_dtype
         torch.manual_seed(config.seed)
         ckpt = resolve_checkpoint(config.model)
@@ -205,6 +205,16 @@ class ModelRunner:
     def check_stop(self, seq: Sequence) -> str:
         """Detokenize the newest tokens; set seq.finish_reason; return text to stream."""
         return self.stop_checker.update(seq)
+
+
+def _rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """The device of this rank: plain "cuda" with several ranks means one GPU per rank."""
+    device = torch.device(config.device)
+    if device.type == "cuda" and device.index is None and config.world_size > 1:
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds each rank to its current device
+    return device
 
 
 @contextlib.contextmanager
