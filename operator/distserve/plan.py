@@ -93,6 +93,7 @@ class Plan:
     attainment_target: float
     search_seconds: float = 0.0
     rate_rps: float | None = None  # the traffic the replica counts were sized for
+    latency_source: str = ""  # which latency model timed the search, and why
     baselines: dict[str, BaselineResult] = field(default_factory=dict)
 
     @property
@@ -156,6 +157,7 @@ class Plan:
             attainment_target=float(doc["attainment_target"]),
             search_seconds=float(doc.get("search_seconds", 0.0)),
             rate_rps=doc.get("rate_rps"),
+            latency_source=doc.get("latency_source", ""),
             baselines={
                 name: BaselineResult(**b) for name, b in doc.get("baselines", {}).items()
             },

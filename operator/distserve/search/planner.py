@@ -204,6 +204,7 @@ def _searched(pmap, ctx, spec, model, cluster, names, min_kv, configs, progress)
         goodput_rps=goodput.rate_rps, attainment=attained, latency=stats,
         ttft_slo_s=ctx.slo.ttft_s, tpot_slo_s=ctx.slo.tpot_s,
         attainment_target=ctx.slo.attainment, rate_rps=rate,
+        latency_source=ctx.latency.describe(),
     )
 
 
@@ -234,7 +235,7 @@ def _fixed(pmap, ctx, spec, names, per_node) -> Plan:
         prefill=prefill, decode=decode, segments=segments, goodput_rps=goodput.rate_rps,
         attainment=attained, latency=stats, ttft_slo_s=ctx.slo.ttft_s,
         tpot_slo_s=ctx.slo.tpot_s, attainment_target=ctx.slo.attainment,
-        rate_rps=spec.workload.rate_rps,
+        rate_rps=spec.workload.rate_rps, latency_source=ctx.latency.describe(),
     )
 
 
