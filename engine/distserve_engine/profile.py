@@ -9,14 +9,16 @@ and fits (milliseconds, as in the DistServe authors' profile files):
 
 with one decode fit below `large_batch_from` and one from it on. Coefficients are kept
 non-negative (a negative term would predict negative time outside the grid) and fit
-by relative error, so short batches count as much as long ones. Decode timings use
-synthetic contexts: the KV blocks are reserved but not filled, since attention costs
-the same whatever the cached values are. The control plane turns `HardwareProfile`
+by relative error, so short batches count as much as long ones. Points are timed in
+interleaved rounds and the median kept, since other processes may share the cores.
+Decode timings use synthetic contexts: the KV blocks are reserved but not filled, since
+attention costs the same whatever the cached values are. The control plane turns `HardwareProfile`
 into a profile file; this module never imports it.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import statistics
 import time
@@ -132,19 +134,26 @@ def profile_runner(runner: ModelRunner, grid: ProfileGrid,
     """Time the grid on this runner and fit the formulas."""
     started = time.perf_counter()
     say = progress or (lambda _message: None)
-    prefill = [_time_prefill(runner, batch, grid) for batch in grid.prefill_batches
-               if max(batch) <= runner.max_model_len and runner.can_allocate(sum(batch))]
-    say(f"timed {len(prefill)} prefill batches")
-    decode = [
-        _time_decode(runner, batch_size, context_len, grid)
+    blocks = runner.block_manager
+    prefill_points = [b for b in grid.prefill_batches
+                      if max(b) <= runner.max_model_len and runner.can_allocate(sum(b))]
+    decode_points = [
+        (batch_size, context_len)
         for batch_size, context_len in itertools.product(grid.decode_batch_sizes, grid.decode_context_lens)
-        if context_len + grid.warmup + MAX_REPEATS <= runner.max_model_len
-        and runner.can_allocate(batch_size * (context_len + grid.warmup + MAX_REPEATS))
+        if context_len <= runner.max_model_len
+        and batch_size * blocks.num_blocks_for(context_len) <= blocks.num_free_blocks
     ]
-    say(f"timed {len(decode)} decode steps")
-    if len(prefill) < 3 or len(decode) < 3:
+    if len(prefill_points) < 3 or len(decode_points) < 3:
         raise ValueError("the grid leaves fewer than 3 prefill or decode points that fit this "
                          "runner's context and KV cache: widen it or raise the KV budget")
+    point_to_run = {("prefill", b): functools.partial(_prefill_once, runner, b) for b in prefill_points}
+    point_to_run |= {("decode", p): functools.partial(_decode_once, runner, *p) for p in decode_points}
+    say(f"timing {len(prefill_points)} prefill batches and {len(decode_points)} decode points")
+    point_to_ms = _median_ms_interleaved(point_to_run, grid)
+    prefill = [Timing(sum(b), sum(n * n for n in b), point_to_ms[("prefill", b)], _prefill_label(b))
+               for b in prefill_points]
+    decode = [Timing(bs * ctx, bs, point_to_ms[("decode", (bs, ctx))], f"decode B={bs} ctx={ctx}")
+              for bs, ctx in decode_points]
     prefill_abc = fit_abc(prefill)
     small_abc, large_abc, large_from = fit_decode(decode)
     result = HardwareProfile(
@@ -226,61 +235,62 @@ def fit_error(timings: Sequence[Timing], predict: Callable[[Timing], float]) -> 
     return FitError(statistics.fmean(errors), max(errors))
 
 
-def _time_prefill(runner: ModelRunner, prompt_lens: tuple[int, ...], grid: ProfileGrid) -> Timing:
+def _prefill_once(runner: ModelRunner, prompt_lens: tuple[int, ...]) -> float:
+    """Milliseconds of one prefill batch of these prompt lengths."""
     vocab = runner.model_config.vocab_size
-    prompts = [[(7 * j + i) % vocab for j in range(n)] for i, n in enumerate(prompt_lens)]
-
-    def run_once() -> float:
-        seqs = [EngineSequence(seq_id=i, prompt_token_ids=list(p), params=GREEDY)
-                for i, p in enumerate(prompts)]
-        try:
-            return _timed(runner, lambda: runner.prefill(seqs))
-        finally:
-            for seq in seqs:
-                runner.free(seq)
-
-    shape = f"{len(prompt_lens)}x{prompt_lens[0]}" if len(set(prompt_lens)) == 1 else (
-        "+".join(map(str, prompt_lens)))
-    return Timing(sum(prompt_lens), sum(n * n for n in prompt_lens), _median_ms(run_once, grid),
-                  f"prefill {shape}")
+    seqs = [EngineSequence(seq_id=i, prompt_token_ids=[(7 * j + i) % vocab for j in range(n)],
+                           params=GREEDY)
+            for i, n in enumerate(prompt_lens)]
+    try:
+        return _timed(runner, lambda: runner.prefill(seqs))
+    finally:
+        for seq in seqs:
+            runner.free(seq)
 
 
-def _time_decode(runner: ModelRunner, batch_size: int, context_len: int, grid: ProfileGrid) -> Timing:
+def _decode_once(runner: ModelRunner, batch_size: int, context_len: int) -> float:
+    """Milliseconds of one decode step of batch_size sequences of context_len tokens each
+    (context_len - 1 cached, plus the new one): T = batch_size * context_len."""
     vocab = runner.model_config.vocab_size
     seqs = [EngineSequence(seq_id=i, prompt_token_ids=[(5 * j + i) % vocab for j in range(context_len)],
                            params=GREEDY)
             for i in range(batch_size)]
-    # Synthetic contexts: blocks reserved, all but the newest token taken as cached; each
-    # step grows the contexts by one token (the runner reserves the blocks it needs).
+    # Synthetic contexts: the blocks are reserved and taken as cached, never filled.
     runner.block_manager.reserve(seqs, [context_len] * batch_size)
     for seq in seqs:
         seq.num_cached_tokens = context_len - 1
-    context_sums: list[int] = []
-
-    def run_once() -> float:
-        context_sums.append(sum(s.num_tokens for s in seqs))  # T: context + the new token
-        return _timed(runner, lambda: runner.decode(seqs))
-
     try:
-        median_ms = _median_ms(run_once, grid)
+        return _timed(runner, lambda: runner.decode(seqs))
     finally:
         for seq in seqs:
             runner.free(seq)
-    return Timing(round(statistics.fmean(context_sums)), batch_size, median_ms,
-                  f"decode B={batch_size} ctx={context_len}")
 
 
-def _median_ms(run_once: Callable[[], float], grid: ProfileGrid) -> float:
-    """The median of one point's timed runs: after the warm-up, at least grid.repeats
-    runs, and more (up to MAX_REPEATS) until they add up to grid.min_point_s."""
-    for _ in range(grid.warmup):
-        run_once()
-    times_ms: list[float] = []
-    while len(times_ms) < grid.repeats or (
-        sum(times_ms) < grid.min_point_s * 1e3 and len(times_ms) < MAX_REPEATS
-    ):
-        times_ms.append(run_once())
-    return statistics.median(times_ms)
+def _median_ms_interleaved(point_to_run: dict, grid: ProfileGrid) -> dict:
+    """Each point's median time. After grid.warmup untimed runs of every point, the points
+    are timed in rounds, one run each, so that a burst of load from other processes
+    spreads over all points instead of skewing a few neighbours; a point takes part in
+    rounds until it has grid.repeats runs and they add up to grid.min_point_s (a tiny
+    model's fast points run more, at most MAX_REPEATS)."""
+    for run in point_to_run.values():
+        for _ in range(grid.warmup):
+            run()
+    point_to_times: dict = {point: [] for point in point_to_run}
+
+    def needs_more(times: list[float]) -> bool:
+        return len(times) < grid.repeats or (
+            sum(times) < grid.min_point_s * 1e3 and len(times) < MAX_REPEATS)
+
+    while pending := [p for p, times in point_to_times.items() if needs_more(times)]:
+        for point in pending:
+            point_to_times[point].append(point_to_run[point]())
+    return {point: statistics.median(times) for point, times in point_to_times.items()}
+
+
+def _prefill_label(prompt_lens: tuple[int, ...]) -> str:
+    if len(set(prompt_lens)) == 1:
+        return f"prefill {len(prompt_lens)}x{prompt_lens[0]}"
+    return "prefill " + "+".join(map(str, prompt_lens))
 
 
 def _timed(runner: ModelRunner, call: Callable[[], object]) -> float:
