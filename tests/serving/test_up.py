@@ -1,4 +1,7 @@
-"""`distserve up` end to end with the tiny model: plan, launch, serve, Ctrl-C stops all."""
+"""`distserve up` end to end with the tiny model: plan, launch, serve, Ctrl-C stops all.
+
+Once with plain processes, once with Ray actors (skipped where Ray cannot start).
+"""
 
 from __future__ import annotations
 
@@ -28,6 +31,32 @@ spec:
   engine: {{device: cpu}}
 """
 CLI = "import sys; from distserve.cli import main; sys.exit(main(sys.argv[1:]))"
+RAY_PROBE = ("import os; os.environ.setdefault('RAY_AUTH_MODE', 'disabled'); import ray; "
+             "ray.init(num_cpus=2, include_dashboard=False); ray.shutdown()")
+
+
+def skip_unless_ray_starts() -> None:
+    """Skip (with the reason) where Ray is missing or cannot start a local cluster."""
+    pytest.importorskip("ray")
+    try:
+        probe = subprocess.run([sys.executable, "-c", RAY_PROBE], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.skip("Ray did not start a local cluster within 120 s on this machine")
+    if probe.returncode != 0:
+        pytest.skip(f"Ray cannot start on this machine: {probe.stderr.strip().splitlines()[-1:]}")
+
+
+def ray_actor_pids() -> set[int]:
+    """Processes running a DistServe server actor."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if f.read().startswith(b"ray::ServerActor"):
+                    pids.add(int(entry))
+        except (OSError, ValueError):
+            continue
+    return pids
 
 
 def free_port_block(size: int = 4) -> int:
@@ -47,13 +76,18 @@ def _is_free(port: int) -> bool:
 
 
 @pytest.mark.slow
-def test_up_serves_and_ctrl_c_stops_everything(tiny_llama, tmp_path):
+@pytest.mark.parametrize("backend", ["process", "ray"])
+def test_up_serves_and_ctrl_c_stops_everything(tiny_llama, tmp_path, backend):
+    if backend == "ray":
+        skip_unless_ray_starts()
+    actors_before = ray_actor_pids()
     spec = tmp_path / "tiny.yaml"
     spec.write_text(textwrap.dedent(SPEC.format(path=tiny_llama)))
     port = free_port_block()
-    proc = subprocess.Popen([sys.executable, "-c", CLI, "up", "-f", str(spec),
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen([sys.executable, "-c", CLI, "up", "-f", str(spec), "--port", str(port),
+                             "--backend", backend], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         def is_up() -> bool:
@@ -69,7 +103,10 @@ def test_up_serves_and_ctrl_c_stops_everything(tiny_llama, tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
+        log = proc.stdout.read().decode()
+        assert "plan: 1 prefill + 1 decode" in log, log  # the planner read model.name's config.json
         assert all(_is_free(port + i) for i in range(3))  # router and both instances are gone
+        assert wait_until(lambda: ray_actor_pids() <= actors_before, timeout_s=30)  # no actor left
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -2,8 +2,9 @@
 
 The decode instance pulls; the transport is chosen from the `KVHandle` alone, never by
 the user: the same process -> in-process handover of the tensors; the same host ->
-shared memory (a file in /dev/shm written by the prefill side, mapped by the decode
-side); another host -> TCP (the raw bytes over the prefill instance's HTTP port).
+shared memory (the prefill process's /dev/shm arena, mapped once by the decode side,
+which copies straight from it into its cache; HTTP carries only the control calls);
+another host -> TCP (the raw bytes over the prefill instance's HTTP port).
 # NOTE: a GPU-to-GPU path (NCCL / CUDA IPC) is not built: on CUDA the KV goes through
 # host memory with the transports above.
 """

@@ -12,6 +12,7 @@ prediction, and stops. `--colocated N` runs N colocated instances (the baseline)
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,9 @@ def run(args) -> int:
     settings = serve_settings(spec, instances, manifest.metadata.name, model_path)
     backend = "ray" if args.ray_address else args.backend
     launcher = LocalLauncher(settings, args.host, args.port, backend, args.ray_address)
+    # SIGTERM (kill, a supervisor) stops everything as Ctrl-C does; Ray installs its own
+    # handler on `ray.init`, which exits the same way.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         launcher.start(progress=_log)
         if args.demo:
@@ -91,6 +95,10 @@ def run(args) -> int:
         return 0
     finally:
         launcher.stop()
+
+
+def _raise_interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def _demo(args, spec, plan, launcher) -> int:

@@ -38,7 +38,8 @@ class RayServers:
             if address:
                 ray.init(address=address)
             else:
-                ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
+                # One CPU per pinned instance: as many as this process may run on.
+                ray.init(num_cpus=max(2, len(os.sched_getaffinity(0))), include_dashboard=False,
                          log_to_driver=False)
         self.actor_class = _server_actor_class(ray)
         self.is_gpu = settings["engine"]["device"].startswith("cuda")
