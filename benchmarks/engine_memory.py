@@ -42,8 +42,14 @@ def copy_bandwidth_bytes_per_s(num_bytes: int = 256 << 20) -> float:
 
 
 def weight_bytes(runner) -> int:
-    """Bytes of parameters read per step (tied embedding counted once, via the LM head)."""
-    return sum(p.nbytes for p in runner.model.parameters())
+    """Bytes of parameters read per step: all of them, except an untied input embedding
+    (only the batch's rows are read); a tied one is the LM head and is read in full."""
+    model = runner.model
+    total = sum(p.nbytes for p in model.parameters())  # shared tensors counted once
+    embedding = getattr(model, "embed_tokens", None)
+    if embedding is not None and not model.is_head_shared:
+        total -= embedding.weight.nbytes
+    return total
 
 
 def decode_step_s(runner, batch: int, context_len: int) -> float:

@@ -54,6 +54,15 @@ class CausalLM(nn.Module):
         self.layer_range = state.layer_range(config.num_layers)
         self.padded_vocab = -(-config.vocab_size // state.tp) * state.tp
         self.lm_head: ColumnParallelLinear | None = None
+        self.is_head_shared = False  # lm_head.weight is the embedding tensor itself
+
+    def share_tied_head(self, embedding: nn.Embedding | None) -> None:
+        """With tied weights on one rank holding both ends, keep one tensor, not two."""
+        c, s = self.config, self.state
+        if c.tie_word_embeddings and embedding is not None and self.lm_head is not None \
+                and s.tp == 1 and self.padded_vocab == c.vocab_size:
+            self.lm_head.weight = embedding.weight
+            self.is_head_shared = True
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         """x: token ids (T,) on the first stage, else hidden (T, hidden) -> hidden (T, hidden)."""
@@ -77,6 +86,8 @@ class CausalLM(nn.Module):
         """Loader padding the vocab rows to a multiple of tp, then sharding them."""
 
         def load(t: torch.Tensor) -> None:
+            if self.is_head_shared:
+                return  # already loaded as the embedding
             padded = t.new_zeros(self.padded_vocab, t.shape[1])
             padded[: t.shape[0]] = t
             self.lm_head.load(padded)

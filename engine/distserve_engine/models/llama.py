@@ -93,6 +93,7 @@ class LlamaForCausalLM(CausalLM):
         if state.is_last_stage:
             self.norm = RMSNorm(c.hidden_size, c.norm_eps)
             self.lm_head = ColumnParallelLinear(c.hidden_size, [self.padded_vocab], False, state)
+        self.share_tied_head(self.embed_tokens)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         """Token ids (T,) on the first stage, else hidden (T, hidden) -> hidden (T, hidden)."""

@@ -75,6 +75,7 @@ class OPTForCausalLM(CausalLM):
                 if is_projected else None
             self.lm_head = ColumnParallelLinear(c.word_embed_proj_dim, [self.padded_vocab],
                                                 False, state)
+        self.share_tied_head(self.embed_tokens if state.is_first_stage else None)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         """Token ids (T,) on the first stage, else hidden (T, hidden) -> hidden (T, hidden)."""
