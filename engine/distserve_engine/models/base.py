@@ -16,7 +16,11 @@ from distserve_engine.attention import AttentionMetadata
 from distserve_engine.errors import CheckpointError, EngineError
 from distserve_engine.kv_cache import KVCache
 from distserve_engine.model_config import ModelConfig
-from distserve_engine.models.layers import ColumnParallelLinear
+from distserve_engine.models.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    transpose_for_cpu,
+)
 from distserve_engine.parallel import ParallelState, tp_all_gather_last
 
 Loader = Callable[[torch.Tensor], None]
@@ -109,6 +113,11 @@ class CausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise CheckpointError(f"checkpoint is missing {len(missing)} weights: {shown}")
+        if next(self.parameters()).device.type == "cpu":
+            for module in self.modules():
+                is_linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+                if is_linear and not (module is self.lm_head and self.is_head_shared):
+                    transpose_for_cpu(module)
 
     def normalize_name(self, name: str) -> str:
         """Map variant spellings of a checkpoint name to the one weight_loaders uses."""

@@ -37,7 +37,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, in) -> (T, out_local)."""
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self, self.bias)
 
     def load(self, tensor: torch.Tensor, part: int = 0, is_bias: bool = False) -> None:
         """Copy this rank's slice of one full part (e.g. q of a fused qkv)."""
@@ -60,7 +60,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, in_local) -> (T, out), summed over tp ranks."""
-        y = tp_all_reduce(F.linear(x, self.weight), self.state)
+        y = tp_all_reduce(_linear(x, self, None), self.state)
         return y if self.bias is None else y + self.bias
 
     def load(self, tensor: torch.Tensor, is_bias: bool = False) -> None:
@@ -69,6 +69,24 @@ class RowParallelLinear(nn.Module):
             self.bias.data.copy_(tensor)
         else:
             self.weight.data.copy_(_shard(tensor, 1, self.state.tp_rank, self.state.tp))
+
+
+def transpose_for_cpu(module: nn.Module) -> None:
+    """Store a loaded linear's weight as (in, out), which CPU GEMMs with few rows favour.
+
+    NOTE: with weight (out, in) MKL re-packs the matrix on every call; on this CPU a
+    (8..32, 576) x (576, 3072) fp32 product ran 1.3-1.8x faster from the transposed copy.
+    The weight is replaced, not duplicated. Call after loading weights.
+    """
+    module.weight_t = module.weight.detach().t().contiguous()  # (in, out)
+    del module.weight
+
+
+def _linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
+    weight_t = getattr(module, "weight_t", None)
+    if weight_t is None:
+        return F.linear(x, module.weight, bias)
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
 class RMSNorm(nn.Module):
