@@ -76,8 +76,8 @@ def main() -> None:
         for _ in range(args.repeats):
             engine_runs.append(engine_rates(runner, prompts, args.steps))
             hf_runs.append(hf_rates(model, prompts, args.steps))
-        e_prefill, e_decode = map(max, zip(*engine_runs))
-        h_prefill, h_decode = map(max, zip(*hf_runs))
+        e_prefill, e_decode = map(max, zip(*engine_runs, strict=True))
+        h_prefill, h_decode = map(max, zip(*hf_runs, strict=True))
         print(f"batch={batch:3d}  decode tok/s engine={e_decode:8.1f} transformers={h_decode:8.1f}"
               f" ratio={e_decode / h_decode:5.2f}x | prefill tok/s engine={e_prefill:8.1f} "
               f"transformers={h_prefill:8.1f} ratio={e_prefill / h_prefill:5.2f}x")
