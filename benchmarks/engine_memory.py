@@ -46,6 +46,7 @@ def weight_bytes(runner) -> int:
     (only the batch's rows are read); a tied one is the LM head and is read in full."""
     model = runner.model
     total = sum(p.nbytes for p in model.parameters())  # shared tensors counted once
+    total += sum(m.weight_t.nbytes for m in model.modules() if hasattr(m, "weight_t"))
     embedding = getattr(model, "embed_tokens", None)
     if embedding is not None and not model.is_head_shared:
         total -= embedding.weight.nbytes
