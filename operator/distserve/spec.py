@@ -315,12 +315,22 @@ def load_manifest(path: str | Path) -> DistServeDeployment:
                 manifest = parse_manifest(doc)
             except SpecError as exc:
                 raise SpecError(f"{path}:\n{exc}") from None
-            planner = manifest.spec.planner
-            if planner.profile_path and not Path(planner.profile_path).is_absolute():
-                # a profile sits beside its spec: read it from the spec file's folder
-                planner.profile_path = str(path.parent / planner.profile_path)
+            _resolve_local_paths(manifest.spec, path.parent)
             return manifest
     raise SpecError(f"{path}: no document of kind {KIND}")
+
+
+def _resolve_local_paths(spec: DistServeDeploymentSpec, folder: Path) -> None:
+    """Read the files a spec names (trace, profile, weights) from the spec file's folder
+    when their paths are relative, so a spec means the same from any working directory."""
+    for part, name in (
+        (spec.workload, "trace_path"),
+        (spec.planner, "profile_path"),
+        (spec.model, "path"),
+    ):
+        value = getattr(part, name)
+        if value and not Path(value).is_absolute():
+            setattr(part, name, str(folder / value))
 
 
 def dump_spec(spec: DistServeDeploymentSpec) -> dict[str, Any]:

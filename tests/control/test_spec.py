@@ -134,3 +134,17 @@ def test_every_example_is_a_valid_resource():
             if doc and doc.get("kind") == "DistServeDeployment":
                 parse_manifest(copy.deepcopy(doc))
                 validate_against_crd(doc, schema)
+
+
+def test_relative_file_paths_are_read_from_the_spec_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    doc = make_manifest(
+        workload={"tracePath": "trace.jsonl", "arrival": "trace"},
+        planner={"profilePath": "profiles/cpu.json"},
+    )
+    (folder / "spec.yaml").write_text(yaml.safe_dump(doc))
+    monkeypatch.chdir(tmp_path)
+    spec = load_manifest("specs/spec.yaml").spec
+    assert Path(spec.workload.trace_path) == folder / "trace.jsonl"
+    assert Path(spec.planner.profile_path) == folder / "profiles" / "cpu.json"
