@@ -330,7 +330,7 @@ def _resolve_local_paths(spec: DistServeDeploymentSpec, folder: Path) -> None:
     ):
         value = getattr(part, name)
         if value and not Path(value).is_absolute():
-            setattr(part, name, str(folder / value))
+            setattr(part, name, str((folder / value).resolve()))
 
 
 def dump_spec(spec: DistServeDeploymentSpec) -> dict[str, Any]:
