@@ -15,7 +15,6 @@ import asyncio
 import signal
 import sys
 import time
-from pathlib import Path
 
 from distserve.spec import load_manifest
 
@@ -50,13 +49,12 @@ def run(args) -> int:
     from distserve.local.settings import (
         find_model_path,
         instance_counts,
-        resolve_paths,
         serve_settings,
     )
     from distserve.search import NoFeasiblePlan, plan_deployment
 
     manifest = load_manifest(args.file)
-    spec = resolve_paths(manifest.spec, Path(args.file))
+    spec = manifest.spec  # relative paths already read from the spec's folder
     model_path = find_model_path(spec)
     plan = None
     try:

