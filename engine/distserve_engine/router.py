@@ -8,6 +8,12 @@ back, so dispatch needs no round trip. It polls every instance's load for health
 for the gauges; an instance that fails a request is checked at once, and while it is
 unhealthy it gets nothing. Admission refuses a request with 503 when a phase has no
 healthy instance, and with 429 when too many requests wait for their first token.
+
+Peers change at run time (`set_peers`, fed by `server/peers.py` from the settings file):
+a new instance is added at once; one no longer listed, or listed as draining, gets no
+new request while its in-flight ones finish, and is dropped once idle. A prefilled
+request prefers a decode instance on its prefill instance's node (Algorithm 2 places
+them so KV moves over the node's fast link), and goes elsewhere when none there has room.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from distserve_engine.timeline import Timeline
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait
+DECODE_KV_FULL = 0.9  # a decode instance at this KV usage has no room for another request
+ROLES = ("prefill", "decode", "colocated")
 TIMELINE_HISTORY = 2000  # finished timelines kept for /debug/timelines
 
 
@@ -48,6 +56,18 @@ class Slot:
     num_outstanding_tokens: int = 0  # their prompt tokens
     is_healthy: bool = True
     error: str | None = None
+    is_draining: bool = False  # no new request; in-flight ones finish
+    kv_usage: float = 0.0  # from the last load poll
+
+    @property
+    def node(self) -> str | None:
+        """The node the instance runs on (None: unknown, e.g. in one process)."""
+        return getattr(self.client, "node", None)
+
+    @property
+    def can_take(self) -> bool:
+        """Whether a new request may go here."""
+        return self.is_healthy and not self.is_draining
 
     def take(self, num_tokens: int) -> None:
         self.num_outstanding += 1
@@ -64,7 +84,7 @@ class Router:
     def __init__(self, prefill: list[Any], decode: list[Any], colocated: list[Any] = (), *,
                  metrics: Any = None, max_waiting_requests: int = 256,
                  ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
-                 health_interval_s: float = 0.5) -> None:
+                 health_interval_s: float = 0.5, max_decode_batch: int | None = None) -> None:
         if colocated and (prefill or decode):
             raise ValueError("router: give prefill and decode instances, or colocated ones")
         if not colocated and not (prefill and decode):
@@ -76,6 +96,7 @@ class Router:
         self.max_waiting_requests = max_waiting_requests
         self.ttft_slo_s, self.tpot_slo_s = ttft_slo_s, tpot_slo_s
         self.health_interval_s = health_interval_s
+        self.max_decode_batch = max_decode_batch  # a decode instance with this many has no room
         self.num_waiting = 0  # admitted, first token not yet out (or not yet decoding)
         self.timelines: deque[Timeline] = deque(maxlen=TIMELINE_HISTORY)
         self._poller: asyncio.Task | None = None
@@ -102,6 +123,44 @@ class Router:
     async def poll(self) -> None:
         """Read every instance's load once; mark the unreachable ones unhealthy."""
         await asyncio.gather(*(self._check(slot) for slot in self.slots))
+        await self._retire_idle()
+
+    def set_peers(self, role_to_clients: dict[str, list[Any]]) -> None:
+        """Adopt a new peer list: add new instances, drain those not listed (or draining).
+
+        A client is matched to a known instance by name and URL; a client with
+        `is_draining` set marks its instance draining. Unused new clients are closed.
+        """
+        for role in ROLES:
+            slots = getattr(self, role)
+            name_to_slot = {(s.client.name, getattr(s.client, "url", None)): s for s in slots}
+            listed = set()
+            for client in role_to_clients.get(role, []):
+                key = (client.name, getattr(client, "url", None))
+                listed.add(key)
+                slot = name_to_slot.get(key)
+                if slot is None:
+                    slot = Slot(client)
+                    slots.append(slot)
+                    asyncio.ensure_future(self._check(slot))
+                elif slot.client is not client:
+                    slot.client.node = getattr(client, "node", None)
+                    asyncio.ensure_future(client.close())
+                slot.is_draining = bool(getattr(client, "is_draining", False))
+            for key, slot in name_to_slot.items():
+                if key not in listed and not slot.is_draining:
+                    log.info("router: %s draining", key[0])
+                    slot.is_draining = True
+
+    async def _retire_idle(self) -> None:
+        """Drop draining instances with nothing in flight; close their clients."""
+        for role in ROLES:
+            slots = getattr(self, role)
+            idle = [s for s in slots if s.is_draining and s.num_outstanding == 0]
+            for slot in idle:
+                slots.remove(slot)
+                log.info("router: %s drained, removed", slot.client.name)
+                await slot.client.close()
 
     async def _poll_forever(self) -> None:
         while True:
@@ -115,6 +174,7 @@ class Router:
             slot.is_healthy, slot.error = False, str(exc)
             return
         slot.is_healthy, slot.error = load.is_healthy, load.error
+        slot.kv_usage = load.kv_usage
         if self.metrics is not None:
             self.metrics.set_load(load)
 
@@ -123,23 +183,32 @@ class Router:
         roles = (("colocated", self.colocated),) if self.colocated else (
             ("prefill", self.prefill), ("decode", self.decode))
         for role, slots in roles:
-            if not any(s.is_healthy for s in slots):
+            if not any(s.can_take for s in slots):
                 raise Overloaded(503, f"no healthy {role} instance")
         if self.num_waiting >= self.max_waiting_requests:
             raise Overloaded(429, f"{self.num_waiting} requests already wait for their first "
                                   f"token (limit {self.max_waiting_requests}); retry later")
 
     def _pick(self, slots: list[Slot], role: str) -> Slot:
-        healthy = [s for s in slots if s.is_healthy]
+        healthy = [s for s in slots if s.can_take]
         if not healthy:
             raise InstanceError(f"no healthy {role} instance")
         return min(healthy, key=lambda s: (s.num_outstanding_tokens, s.num_outstanding))
 
-    def _pick_decode(self) -> Slot:
-        healthy = [s for s in self.decode if s.is_healthy]
+    def _has_room(self, slot: Slot) -> bool:
+        """Whether a decode instance can take one more request now."""
+        is_batch_full = self.max_decode_batch is not None and slot.num_outstanding >= self.max_decode_batch
+        return slot.kv_usage < DECODE_KV_FULL and not is_batch_full
+
+    def _pick_decode(self, prefill: Slot) -> Slot:
+        """The least loaded decode instance on the prefill instance's node with room,
+        else the least loaded one anywhere."""
+        healthy = [s for s in self.decode if s.can_take]
         if not healthy:
             raise InstanceError("no healthy decode instance")
-        return min(healthy, key=lambda s: s.num_outstanding)
+        roomy = [s for s in healthy if self._has_room(s)]
+        local = [s for s in roomy if s.node == prefill.node]
+        return min(local or roomy or healthy, key=lambda s: (s.num_outstanding, s.kv_usage))
 
     async def generate(self, request: ServeRequest) -> AsyncIterator[TokenEvent]:
         """Run one request; yield its token events (the first carries the first token)."""
@@ -188,7 +257,7 @@ class Router:
             yield first
             if is_done:
                 return
-            decode = self._pick_decode()
+            decode = self._pick_decode(prefill)
             timeline.decode_instance = decode.client.name
             decode.take(n)
             try:

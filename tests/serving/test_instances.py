@@ -147,6 +147,6 @@ def test_router_picks_shortest_prefill_queue_and_least_loaded_decode():
     router.decode[0].take(10)
     router.decode[0].take(10)
     router.decode[1].take(1000)
-    assert router._pick_decode().client.name == "d1"  # fewer requests
+    assert router._pick_decode(router.prefill[0]).client.name == "d1"  # fewer requests
     router.decode[1].is_healthy = False
-    assert router._pick_decode().client.name == "d0"  # never an unhealthy one
+    assert router._pick_decode(router.prefill[0]).client.name == "d0"  # never an unhealthy one

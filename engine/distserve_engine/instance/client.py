@@ -84,10 +84,13 @@ class LocalInstanceClient:
 class HttpInstanceClient:
     """An instance server (`python -m distserve_engine.server --role ...`) at a URL."""
 
-    def __init__(self, name: str, role: str, url: str) -> None:
+    def __init__(self, name: str, role: str, url: str, node: str | None = None,
+                 is_draining: bool = False) -> None:
         self.name = name
         self.role = role
         self.url = url.rstrip("/")
+        self.node = node  # where it runs: the router prefers decode on a prefill's node
+        self.is_draining = is_draining  # the router sends it nothing new
         timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
         self._client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
 

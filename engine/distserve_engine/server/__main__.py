@@ -18,9 +18,13 @@ Arguments:
   --advertise-url URL  how other processes reach this one (default http://HOST:PORT);
                        decode instances pull KV from a prefill instance at this URL.
   --prefill-peers, --decode-peers, --colocated-peers  comma-separated URL or NAME=URL
-                       (router); they override the settings' `peers`.
+                       (router); they override the settings' `peers`. Without them
+                       the router re-reads the settings file while it runs (a change of
+                       peers adds and drains instances; see `server/peers.py`).
   --cpu-cores LIST     pin the process to these cores (e.g. 0 or 0,1) and size torch's
                        threads to them.
+  --shutdown-timeout-s S  after SIGTERM, how long in-flight requests may take to finish
+                       (default 30); a pod's terminationGracePeriodSeconds must exceed it.
   --log-level LEVEL    uvicorn's log level (default warning).
 """
 
@@ -54,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for role in ("prefill", "decode", "colocated"):
         p.add_argument(f"--{role}-peers", default=None, help=f"{role} instance URLs (router)")
     p.add_argument("--cpu-cores", default=None, help="comma-separated core ids to pin to")
+    p.add_argument("--shutdown-timeout-s", type=float, default=30.0)
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
 
@@ -96,6 +101,8 @@ def build_app(args: argparse.Namespace):
         return assembly.build_frontend_app(
             settings, router, runner.tokenizer, runner.max_model_len,
             on_shutdown=lambda: [i.stop() for i in instances])
+    from distserve_engine.server.peers import PeerWatcher
+
     peers = dict(settings.peers)
     for role in ("prefill", "decode", "colocated"):
         value = getattr(args, f"{role}_peers")
@@ -104,7 +111,9 @@ def build_app(args: argparse.Namespace):
     tokenizer, max_model_len = assembly.load_tokenizer(settings)
     metrics = assembly.build_metrics(settings, "router", name)
     router = assembly.build_router(settings, assembly.http_clients(peers), metrics)
-    return assembly.build_frontend_app(settings, router, tokenizer, max_model_len)
+    is_fixed = peers != settings.peers  # peers from the command line: nothing to watch
+    watcher = None if is_fixed else PeerWatcher(args.config, router, assembly.http_clients)
+    return assembly.build_frontend_app(settings, router, tokenizer, max_model_len, watcher=watcher)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=2)
+                timeout_graceful_shutdown=args.shutdown_timeout_s)
     return 0
 
 

@@ -62,16 +62,23 @@ def build_router(settings: ServeSettings, role_to_clients: dict[str, list[Any]],
     return Router(role_to_clients.get("prefill", []), role_to_clients.get("decode", []),
                   role_to_clients.get("colocated", []), metrics=metrics,
                   max_waiting_requests=settings.max_waiting_requests,
-                  ttft_slo_s=settings.ttft_slo_s, tpot_slo_s=settings.tpot_slo_s)
+                  ttft_slo_s=settings.ttft_slo_s, tpot_slo_s=settings.tpot_slo_s,
+                  max_decode_batch=settings.max_decode_batch)
 
 
-def http_clients(peers: dict[str, list[str]]) -> dict[str, list[HttpInstanceClient]]:
-    """Clients of instance servers; an entry is `URL` or `NAME=URL`."""
+def http_clients(peers: dict[str, list[str | dict[str, Any]]]) -> dict[str, list[HttpInstanceClient]]:
+    """Clients of instance servers; an entry is `URL`, `NAME=URL`, or
+    `{"name", "url", "node", "draining"}` (node and draining optional)."""
     out: dict[str, list[HttpInstanceClient]] = {}
     for role, entries in peers.items():
         for i, entry in enumerate(entries):
-            name, _, url = entry.rpartition("=") if "=" in entry else (f"{role}-{i}", "", entry)
-            out.setdefault(role, []).append(HttpInstanceClient(name, role, url))
+            if isinstance(entry, dict):
+                client = HttpInstanceClient(entry.get("name") or f"{role}-{i}", role, entry["url"],
+                                            entry.get("node"), bool(entry.get("draining")))
+            else:
+                name, _, url = entry.rpartition("=") if "=" in entry else (f"{role}-{i}", "", entry)
+                client = HttpInstanceClient(name, role, url)
+            out.setdefault(role, []).append(client)
     return out
 
 
@@ -89,17 +96,25 @@ def build_in_process(settings: ServeSettings) -> tuple[Router, list[Any], Any]:
 
 
 def build_frontend_app(settings: ServeSettings, router: Router, tokenizer: Any,
-                       max_model_len: int, on_shutdown: Any = None) -> Any:
-    """The OpenAI app over a router; the router starts polling when the app starts."""
+                       max_model_len: int, on_shutdown: Any = None, watcher: Any = None) -> Any:
+    """The OpenAI app over a router; the router starts polling (and `watcher`, a
+    PeerWatcher, watching the settings file) when the app starts."""
     frontend = Frontend(router, tokenizer, settings.model_name, max_model_len,
                         settings.default_max_tokens)
 
+    async def startup() -> None:
+        await router.start()
+        if watcher is not None:
+            watcher.start()
+
     async def shutdown() -> None:
+        if watcher is not None:
+            await watcher.stop()
         await router.stop()
         if on_shutdown is not None:
             on_shutdown()
 
-    return build_openai_app(frontend, router.metrics, on_startup=router.start, on_shutdown=shutdown)
+    return build_openai_app(frontend, router.metrics, on_startup=startup, on_shutdown=shutdown)
 
 
 def load_tokenizer(settings: ServeSettings) -> tuple[Any, int]:

@@ -6,6 +6,9 @@
      "default_max_tokens": 256, "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
      "instances": {"prefill": 1, "decode": 1, "colocated": 0},   # for --role all
      "peers": {"prefill": ["http://p0:8001"], "decode": [...]}}  # for --role router
+
+A peer is `URL`, `NAME=URL` or `{"name", "url", "node", "draining"}`. A router reading
+its peers from this file re-reads it while it runs (`server/peers.py`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ class ServeSettings:
     default_max_tokens: int | None = 256  # chat output limit when the client gives none
     slo: dict[str, float] = field(default_factory=dict)  # ttft_s, tpot_s
     instances: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
-    peers: dict[str, list[str]] = field(default_factory=dict)  # role -> instance URLs
+    peers: dict[str, list[Any]] = field(default_factory=dict)  # role -> instance peers
 
     def engine_config(self) -> EngineConfig:
         """The EngineConfig of every instance."""
