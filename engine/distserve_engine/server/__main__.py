@@ -26,6 +26,18 @@ Arguments:
   --shutdown-timeout-s S  after SIGTERM, how long in-flight requests may take to finish
                        (default 30); a pod's terminationGracePeriodSeconds must exceed it.
   --log-level LEVEL    uvicorn's log level (default warning).
+
+Instances on several ranks (tp * pp > 1; see `instance/ranks.py` and `instance/workers.py`):
+  Rank 0 runs the instance and its HTTP API; the other ranks replay its engine calls.
+  - Local (`distserve up`): the settings' `parallel` gives the role's tp and pp; this
+    process is rank 0 and spawns the other ranks on this host, splitting --cpu-cores
+    into one equal slice per rank; the rendezvous is a free port on 127.0.0.1.
+  - Kubernetes, one pod per pipeline stage: DISTSERVE_STAGE, DISTSERVE_PIPELINE_STAGES,
+    DISTSERVE_TENSOR_PARALLEL, MASTER_ADDR (stage 0's pod), MASTER_PORT. The process is
+    rank stage * tp and spawns the stage's other tp ranks (GPU i of the pod each). Stage
+    0 serves the instance; a later stage serves only `GET /health` and exits when rank 0
+    stops or its connection fails.
+  - One process per rank: WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT (rank 0 serves).
 """
 
 from __future__ import annotations
@@ -37,6 +49,8 @@ import socket
 import sys
 
 import uvicorn
+
+from distserve_engine.instance import ranks
 
 ROLES = ("prefill", "decode", "colocated", "router", "all")
 # Thread pools that size themselves from the machine, not from the affinity mask, unless
@@ -79,8 +93,11 @@ def pin_process(cores: list[int] | None) -> None:
 
 def build_app(args: argparse.Namespace):
     """The FastAPI app this process serves."""
-    cores = [int(c) for c in args.cpu_cores.split(",")] if args.cpu_cores else None
+    all_cores = [int(c) for c in args.cpu_cores.split(",")] if args.cpu_cores else None
+    layout = ranks.layout_for(args.config, args.role)
+    cores = layout.split_cores(all_cores)[0]  # rank 0's share; other ranks get the rest
     pin_process(cores)
+    from distserve_engine.instance import workers
     from distserve_engine.server import assembly
     from distserve_engine.server.instance_app import build_instance_app
     from distserve_engine.server.settings import ServeSettings
@@ -91,10 +108,15 @@ def build_app(args: argparse.Namespace):
     if args.role in assembly.ROLES:
         host = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
         url = args.advertise_url or f"http://{host}:{args.port}"
-        instance = assembly.build_instance(args.role, name, settings, url=url)
+        runner = workers.start_ranks(layout, settings.engine_config(), all_cores)
+        if not layout.is_driver:  # a later pipeline stage: replay rank 0's calls
+            return _worker_app(runner)
+        instance = assembly.build_instance(args.role, name, settings, runner=runner, url=url)
         metrics = assembly.build_metrics(settings, args.role, name)
         app = build_instance_app(instance, metrics)
         app.router.on_shutdown.append(instance.stop)
+        if isinstance(runner, workers.DriverRunner):
+            app.router.on_shutdown.append(runner.stop)
         return app
     if args.role == "all":
         router, instances, runner = assembly.build_in_process(settings)
@@ -114,6 +136,34 @@ def build_app(args: argparse.Namespace):
     is_fixed = peers != settings.peers  # peers from the command line: nothing to watch
     watcher = None if is_fixed else PeerWatcher(args.config, router, assembly.http_clients)
     return assembly.build_frontend_app(settings, router, tokenizer, max_model_len, watcher=watcher)
+
+
+def _worker_app(runner):
+    """A worker rank's process: replays rank 0's calls in a thread; serves only /health."""
+    import threading
+
+    from fastapi import FastAPI
+
+    from distserve_engine.instance import workers
+
+    app = FastAPI(title="DistServe worker rank")
+
+    def serve_then_exit() -> None:
+        code = 1  # a failed collective (rank 0 gone): exit so the pod restarts
+        try:
+            workers.run_worker(runner)
+            code = 0
+        finally:
+            os._exit(code)
+
+    thread = threading.Thread(target=serve_then_exit, name="worker", daemon=True)
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "rank": runner.parallel.rank}
+
+    thread.start()
+    return app
 
 
 def main(argv: list[str] | None = None) -> int:

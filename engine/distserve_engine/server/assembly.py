@@ -84,6 +84,10 @@ def http_clients(peers: dict[str, list[str | dict[str, Any]]]) -> dict[str, list
 
 def build_in_process(settings: ServeSettings) -> tuple[Router, list[Any], Any]:
     """Router and all instances in this process (`--role all`, tests); returns the runner used for the tokenizer."""
+    multi_rank = {r: p for r, p in settings.parallel.items() if p.get("tp", 1) * p.get("pp", 1) > 1}
+    if multi_rank:
+        raise ValueError(f"parallel: {multi_rank} needs one process per rank; one process "
+                         "serving every instance runs them at tp = pp = 1")
     instances = []
     for role in ROLES:
         for i in range(settings.instances.get(role, 0)):

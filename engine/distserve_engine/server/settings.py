@@ -5,7 +5,8 @@
      "max_prefill_tokens": 512, "max_decode_batch": 32, "max_waiting_requests": 128,
      "default_max_tokens": 256, "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
      "instances": {"prefill": 1, "decode": 1, "colocated": 0},   # for --role all
-     "peers": {"prefill": ["http://p0:8001"], "decode": [...]}}  # for --role router
+     "peers": {"prefill": ["http://p0:8001"], "decode": [...]},  # for --role router
+     "parallel": {"prefill": {"tp": 2, "pp": 1}}}  # ranks per instance (default 1 x 1)
 
 A peer is `URL`, `NAME=URL` or `{"name", "url", "node", "draining"}`. A router reading
 its peers from this file re-reads it while it runs (`server/peers.py`).
@@ -35,6 +36,7 @@ class ServeSettings:
     slo: dict[str, float] = field(default_factory=dict)  # ttft_s, tpot_s
     instances: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
     peers: dict[str, list[Any]] = field(default_factory=dict)  # role -> instance peers
+    parallel: dict[str, dict[str, int]] = field(default_factory=dict)  # role -> {"tp", "pp"}
 
     def engine_config(self) -> EngineConfig:
         """The EngineConfig of every instance."""

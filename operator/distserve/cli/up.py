@@ -49,6 +49,7 @@ def run(args) -> int:
     from distserve.local.settings import (
         find_model_path,
         instance_counts,
+        instance_parallel,
         serve_settings,
     )
     from distserve.search import NoFeasiblePlan, plan_deployment
@@ -72,7 +73,8 @@ def run(args) -> int:
             raise
         _log(f"planner: no prediction ({err}); running the spec's placement")
     instances = instance_counts(spec, plan, args.colocated)
-    settings = serve_settings(spec, instances, manifest.metadata.name, model_path)
+    parallel = instance_parallel(spec, plan, args.colocated)
+    settings = serve_settings(spec, instances, manifest.metadata.name, model_path, parallel)
     backend = "ray" if args.ray_address else args.backend
     launcher = LocalLauncher(settings, args.host, args.port, backend, args.ray_address)
     # SIGTERM (kill, a supervisor) stops everything as Ctrl-C does; Ray installs its own

@@ -2,7 +2,9 @@
 
 Each instance is one `python -m distserve_engine.server --role ROLE` process, pinned to
 its own CPU cores (or given its GPUs), and the router is one more in front of them,
-serving the OpenAI API. Two ways to run those processes: plain child processes
+serving the OpenAI API. An instance of tp x pp ranks (the settings' `parallel`) gets one
+core per rank, and its process starts its other ranks itself (`instance/workers.py`).
+Two ways to run those processes: plain child processes
 (`backend="process"`), or Ray actors (`backend="ray"`, also `--ray-address` to join a
 cluster), each actor running the same server. Everything started is stopped by
 `stop()` (also on Ctrl-C), in reverse order.
@@ -51,10 +53,16 @@ def plan_processes(settings: dict[str, Any], config_path: Path, host: str, port:
                    num_cores: int) -> list[ServerProcess]:
     """The instance processes (ports port+1, ...) then the router on `port`."""
     procs: list[ServerProcess] = []
+    next_core = 0
     for role in ("prefill", "decode", "colocated"):
+        parallel = settings.get("parallel", {}).get(role, {})
+        num_ranks = parallel.get("tp", 1) * parallel.get("pp", 1)  # one core per rank
         for i in range(settings["instances"].get(role, 0)):
             index = len(procs)
-            cores = [index % num_cores] if num_cores else None
+            cores = None
+            if num_cores:
+                cores = sorted({(next_core + r) % num_cores for r in range(num_ranks)})
+                next_core += num_ranks
             procs.append(ServerProcess(role, f"{role}-{i}", port + 1 + index, cores))
     for proc in procs:
         proc.argv = ["--config", str(config_path), "--role", proc.role, "--instance", proc.name,

@@ -1,7 +1,8 @@
 """Serving processes as Ray actors: each actor runs one `distserve_engine.server`.
 
-An instance actor asks Ray for `tp * pp` GPUs on a GPU deployment, or one CPU (and pins
-itself to its core with `--cpu-cores`) on the CPU; the router actor asks for none. Ray
+An instance actor asks Ray for its role's `tp * pp` GPUs on a GPU deployment, or that
+many CPUs (and pins its ranks to their cores with `--cpu-cores`) on the CPU; the router
+actor asks for none. Ray
 is imported only here, when `distserve up --backend ray` or `--ray-address` is used.
 """
 
@@ -43,8 +44,8 @@ class RayServers:
                          log_to_driver=False)
         self.actor_class = _server_actor_class(ray)
         self.is_gpu = settings["engine"]["device"].startswith("cuda")
-        engine = settings["engine"]
-        self.num_gpus_per_instance = engine.get("tp", 1) * engine.get("pp", 1)
+        self.role_to_num_ranks = {role: p.get("tp", 1) * p.get("pp", 1)
+                                  for role, p in settings.get("parallel", {}).items()}
         self._proc_to_ref: dict[str, Any] = {}
 
     def spawn(self, proc: Any) -> Any:
@@ -52,9 +53,9 @@ class RayServers:
         if proc.role == "router":
             options = {"num_cpus": 0}
         elif self.is_gpu:
-            options = {"num_cpus": 0, "num_gpus": self.num_gpus_per_instance}
+            options = {"num_cpus": 0, "num_gpus": self.role_to_num_ranks.get(proc.role, 1)}
         else:
-            options = {"num_cpus": 1}
+            options = {"num_cpus": self.role_to_num_ranks.get(proc.role, 1)}
         actor = self.actor_class.options(name=f"distserve-{proc.name}", **options).remote()
         self._proc_to_ref[proc.name] = actor.run.remote(proc.argv)
         return actor

@@ -50,9 +50,22 @@ def instance_counts(spec: DistServeDeploymentSpec, plan: Plan | None,
     raise SpecError("spec.placement: needed when the planner gives no plan")
 
 
+def instance_parallel(spec: DistServeDeploymentSpec, plan: Plan | None,
+                      num_colocated: int = 0) -> dict[str, dict[str, int]]:
+    """tp and pp per role, from the plan, else the spec's placement (colocated: 1 x 1)."""
+    if num_colocated:
+        return {"colocated": {"tp": 1, "pp": 1}}
+    source = plan if plan is not None else spec.placement
+    if source is None:
+        return {}
+    return {role: {"tp": getattr(source, role).tp, "pp": getattr(source, role).pp}
+            for role in ("prefill", "decode")}
+
+
 def serve_settings(spec: DistServeDeploymentSpec, instances: dict[str, int], deployment: str,
-                   model_path: str) -> dict[str, Any]:
-    """The settings document of every process of this deployment."""
+                   model_path: str, parallel: dict[str, dict[str, int]] | None = None
+                   ) -> dict[str, Any]:
+    """The settings document of every process of this deployment (`parallel`: role -> tp, pp)."""
     device = engine_device(spec)
     max_model_len = spec.model.max_model_len or (DEFAULT_CPU_MAX_MODEL_LEN if device == "cpu" else None)
     engine = {"model": model_path, "device": device, "dtype": spec.model.dtype,
@@ -69,4 +82,5 @@ def serve_settings(spec: DistServeDeploymentSpec, instances: dict[str, int], dep
         "default_max_tokens": 256,
         "slo": {"ttft_s": spec.slo.ttft_seconds, "tpot_s": spec.slo.tpot_seconds},
         "instances": instances,
+        "parallel": parallel or {},
     }

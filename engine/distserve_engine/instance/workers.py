@@ -1,0 +1,250 @@
+"""One instance on tp x pp ranks: rank 0 drives, every other rank replays its calls.
+
+The engine is SPMD: every rank builds `ModelRunner(config, rank)` and must receive the
+same calls in the same order. Rank 0 hosts the instance loop and the HTTP server as at
+tp = pp = 1, through `DriverRunner`, a runner-like facade: each prefill, decode, free,
+export or import first goes to the worker ranks as one small control message (the
+sequences as plain data, with their block tables, on a gloo group of its own), then
+runs on rank 0; the model's collectives run on the runner's own groups. Tokens come
+from rank 0 (the runner already broadcasts the last stage's). A KV blob leaves and
+enters the instance whole (every layer, every KV head): export gathers each rank's
+layers and heads to rank 0, import scatters them back.
+# NOTE: block tables stay equal on every rank because every block manager sees the same
+# reserve / free calls from the same free list (sized to the smallest rank's cache);
+# each call carries rank 0's free-block count so a divergence fails loudly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distserve_engine.block_manager import BlockManager
+from distserve_engine.config import EngineConfig
+from distserve_engine.errors import EngineError
+from distserve_engine.instance.ranks import RankLayout
+from distserve_engine.kv_cache import KVBlob
+from distserve_engine.parallel import ParallelState
+from distserve_engine.runner import ModelRunner
+from distserve_engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+# NOTE: workers wait in a broadcast while the instance is idle; gloo's default 30 min
+# timeout would end them, so the control group waits (practically) forever.
+CONTROL_TIMEOUT = timedelta(days=365)
+PR_SET_PDEATHSIG = 1  # prctl option: a signal when the parent process dies
+
+
+@dataclass
+class Call:
+    """One runner call, sent from rank 0 to every worker before rank 0 runs it."""
+
+    op: str  # "prefill" | "decode" | "free" | "export_kv" | "import_kv" | "stop"
+    seqs: list[Sequence] = field(default_factory=list)  # as they are before the call
+    num_free_blocks: int = 0  # rank 0's, before the call; a worker's must be equal
+    num_tokens: int = 0  # import_kv: tokens in the blob
+
+
+def join(config: EngineConfig, rank: int) -> tuple[ModelRunner, Any]:
+    """Build this rank's runner and the instance's control group; equalize KV blocks."""
+    runner = ModelRunner(config, rank)
+    group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    num_blocks = torch.tensor([runner.num_blocks])
+    dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN, group=group)
+    if int(num_blocks) < runner.num_blocks:  # a stage with fewer layers fits more blocks
+        runner.num_blocks = int(num_blocks)
+        runner.block_manager = BlockManager(runner.num_blocks, config.block_size)
+    return runner, group
+
+
+class DriverRunner:
+    """Rank 0's runner as the instance sees it; every call also runs on the workers."""
+
+    def __init__(self, runner: ModelRunner, group: Any, workers: list[Any] | None = None) -> None:
+        self.runner = runner
+        self.group = group
+        self.workers = workers or []  # local worker processes, joined on stop
+        self._lock = threading.Lock()  # one call at a time: the engine and transfer threads
+        cfg, m = runner.config, runner.model_config
+        self._rank_states = [ParallelState(cfg.tp, cfg.pp, r) for r in range(cfg.world_size)]
+        self._kv_heads = m.num_kv_heads // cfg.tp  # per rank
+        self._num_layers = m.num_layers
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)  # tokenizer, config, block_manager, check_stop, ...
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes over all ranks (what a transfer moves)."""
+        shape = self.runner.kv_cache.shape
+        return 2 * self._num_layers * self._kv_heads * self.runner.config.tp * shape.head_dim \
+            * shape.dtype.itemsize
+
+    def prefill(self, seqs: list[Sequence]) -> list[int]:
+        """Prefill on every rank; the sampled tokens."""
+        with self._lock:
+            self._send(Call("prefill", seqs))
+            return self.runner.prefill(seqs)
+
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """One decode step on every rank; the sampled tokens."""
+        with self._lock:
+            self._send(Call("decode", seqs))
+            return self.runner.decode(seqs)
+
+    def free(self, seq: Sequence) -> None:
+        """Free the sequence's blocks on every rank."""
+        with self._lock:
+            self._send(Call("free", [seq]))
+            self.runner.free(seq)
+
+    def export_kv(self, seq: Sequence) -> KVBlob:
+        """The sequence's KV over all layers and heads, gathered to rank 0."""
+        with self._lock:
+            self._send(Call("export_kv", [seq]))
+            own = self.runner.export_kv(seq)
+            n = own.num_tokens
+            full = [own.k.new_empty(self._full_shape(n)) for _ in range(2)]  # K, V
+            for state in self._rank_states:
+                for part, tensor in zip(full, (own.k, own.v), strict=True):
+                    if state.rank != 0:
+                        tensor = torch.empty(self._rank_shape(state, n), dtype=own.k.dtype)
+                        dist.recv(tensor, src=state.rank, group=self.group)
+                    part[self._index(state)] = tensor.to(part.device)
+            return KVBlob(k=full[0], v=full[1], num_tokens=n)
+
+    def import_kv(self, seq: Sequence, blob: KVBlob) -> None:
+        """Scatter the blob's layers and heads to their ranks and import them everywhere."""
+        expected = self._full_shape(blob.num_tokens)
+        if tuple(blob.k.shape) != expected or tuple(blob.v.shape) != expected:
+            raise EngineError(f"import_kv: blob shape {tuple(blob.k.shape)} does not match "
+                              f"this instance's {expected}")
+        with self._lock:
+            self._send(Call("import_kv", [seq], num_tokens=blob.num_tokens))
+            for state in self._rank_states[1:]:
+                for tensor in (blob.k, blob.v):
+                    dist.send(tensor[self._index(state)].cpu().contiguous(), dst=state.rank,
+                              group=self.group)
+            own = self._rank_states[0]
+            self.runner.import_kv(seq, KVBlob(k=blob.k[self._index(own)], v=blob.v[self._index(own)],
+                                              num_tokens=blob.num_tokens))
+
+    def stop(self) -> None:
+        """End the worker ranks' loops."""
+        with self._lock:
+            self._send(Call("stop"))
+        for proc in self.workers:
+            proc.join(timeout=10)
+
+    def _send(self, call: Call) -> None:
+        call.num_free_blocks = self.runner.block_manager.num_free_blocks
+        dist.broadcast_object_list([call], src=0, group=self.group)
+
+    def _full_shape(self, num_tokens: int) -> tuple[int, ...]:
+        head_dim = self.runner.kv_cache.shape.head_dim
+        return (self._num_layers, num_tokens, self._kv_heads * self.runner.config.tp, head_dim)
+
+    def _rank_shape(self, state: ParallelState, num_tokens: int) -> tuple[int, ...]:
+        layers = state.layer_range(self._num_layers)
+        return (len(layers), num_tokens, self._kv_heads, self.runner.kv_cache.shape.head_dim)
+
+    def _index(self, state: ParallelState) -> tuple[slice, slice, slice]:
+        """Where a rank's part sits in a whole blob (L, n, Hkv, D): its layers and heads."""
+        layers = state.layer_range(self._num_layers)
+        heads = slice(state.tp_rank * self._kv_heads, (state.tp_rank + 1) * self._kv_heads)
+        return slice(layers.start, layers.stop), slice(None), heads
+
+
+def serve_worker(runner: ModelRunner, group: Any) -> None:
+    """Replay rank 0's calls until it says stop (a worker rank's whole life)."""
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        call: Call = box[0]
+        if call.op == "stop":
+            return
+        if runner.block_manager.num_free_blocks != call.num_free_blocks:
+            raise EngineError(f"rank {runner.parallel.rank}: {runner.block_manager.num_free_blocks} "
+                              f"free KV blocks, rank 0 has {call.num_free_blocks}")
+        try:
+            _execute(runner, group, call)
+        except EngineError:  # bad input: rank 0 raised the same error before any collective
+            log.warning("rank %d: %s failed", runner.parallel.rank, call.op, exc_info=True)
+
+
+def _execute(runner: ModelRunner, group: Any, call: Call) -> None:
+    if call.op in ("prefill", "decode"):
+        getattr(runner, call.op)(call.seqs)
+    elif call.op == "free":
+        runner.free(call.seqs[0])
+    elif call.op == "export_kv":
+        blob = runner.export_kv(call.seqs[0])
+        for tensor in (blob.k, blob.v):
+            dist.send(tensor.cpu().contiguous(), dst=0, group=group)
+    elif call.op == "import_kv":
+        s = runner.kv_cache.shape
+        parts = [torch.empty((s.num_layers, call.num_tokens, s.num_kv_heads, s.head_dim),
+                             dtype=s.dtype) for _ in range(2)]
+        for part in parts:
+            dist.recv(part, src=0, group=group)
+        runner.import_kv(call.seqs[0], KVBlob(k=parts[0], v=parts[1], num_tokens=call.num_tokens))
+    else:
+        raise RuntimeError(f"unknown call {call.op!r}")
+
+
+def start_ranks(layout: RankLayout, config: EngineConfig, cores: list[int] | None = None
+                ) -> DriverRunner | ModelRunner | None:
+    """Start this process's child ranks, then join as `layout.first_rank`.
+
+    Returns rank 0's DriverRunner, or a worker's ModelRunner (serve it with
+    `run_worker`), or None when the instance has a single rank.
+    """
+    if layout.world_size == 1:
+        return None
+    config = replace(config, tp=layout.tp, pp=layout.pp, dist_init_method=layout.init_method)
+    rank_cores = layout.split_cores(cores)
+    ctx = mp.get_context("spawn")
+    children = []
+    for rank, rank_cores_i in zip(layout.local_ranks[1:], rank_cores[1:], strict=True):
+        child = ctx.Process(target=_worker_main, args=(config, rank, rank_cores_i),
+                            name=f"rank-{rank}", daemon=True)
+        child.start()
+        children.append(child)
+    runner, group = join(config, layout.first_rank)
+    if layout.is_driver:
+        return DriverRunner(runner, group, children)
+    runner.control_group = group
+    runner.children = children
+    return runner
+
+
+def run_worker(runner: ModelRunner) -> None:
+    """Serve a worker rank started by `start_ranks` until rank 0 stops."""
+    serve_worker(runner, runner.control_group)
+    for child in runner.children:
+        child.join(timeout=10)
+    dist.destroy_process_group()
+
+
+def _worker_main(config: EngineConfig, rank: int, cores: list[int] | None) -> None:
+    """A child rank's process: pinned, dies with its parent, replays rank 0's calls."""
+    libc = ctypes.CDLL(None)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if cores:
+        os.sched_setaffinity(0, set(cores))
+        torch.set_num_threads(len(cores))
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(name)s %(message)s")
+    runner, group = join(config, rank)
+    serve_worker(runner, group)
+    dist.destroy_process_group()
