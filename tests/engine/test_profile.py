@@ -137,6 +137,6 @@ def test_profile_command_writes_a_profile_the_planner_reads(tmp_path, tiny_llama
     for row in doc["measurements"]["prefill"]:
         if row["S2"] == row["S1"] ** 2:
             planner_ms = latency.prefill_stage_s([row["S1"]]) * 1e3
-            assert abs(planner_ms - row["ms"]) / row["ms"] <= doc["fit_error"]["prefill"]["max_rel"] + 1e-6
+            assert abs(planner_ms - row["ms"]) / row["ms"] <= doc["fit_error"]["prefill"]["max_rel"] + 1e-3
     capacity = kv_capacity_tokens(spec.model.name, "CPU", 1, 1, profile_path=spec.planner.profile_path)
     assert capacity == doc["kv_capacity"]["rows"][0]["kv_capacity_tokens"]
