@@ -145,19 +145,33 @@ def test_worker_container_args_and_config():
     assert env["DISTSERVE_PIPELINE_STAGES"] == "1"
 
 
-def test_router_peers_leave_out_draining_instances_and_roll_the_router():
+def test_router_peers_leave_out_draining_instances_carry_nodes_and_do_not_roll_the_router():
     owner, revision = make_owner(), make_revision()
     live = workers.instance_endpoints(revision)
     config = router.build_router_config(owner, revision.spec, [{**e, "draining": False} for e in live])
     drained = router.build_router_config(owner, revision.spec, [
         {**e, "draining": e["role"] == "decode" and e["instance"] == 1} for e in live])
     settings = json.loads(router.build_router_config_map_spec(owner, revision.spec, config)["data"]["serve.json"])
-    assert settings["peers"]["prefill"] == [f"prefill-0-{revision.id}={live[0]['url']}"]
-    assert len(settings["peers"]["decode"]) == 2
+    assert settings["peers"]["prefill"][0] == {
+        "name": f"prefill-0-{revision.id}", "url": live[0]["url"], "node": "gpu-node-a"}
+    # Algorithm 2's placement: decode instance i shares prefill instance i's node.
+    assert [p["node"] for p in settings["peers"]["decode"]] == ["gpu-node-a", "gpu-node-b"]
     assert len(router.router_peers(drained)["decode"]) == 1
-    annotations = [router.build_router_deployment_spec(owner, revision.spec, c)["spec"]["template"]
-                   ["metadata"]["annotations"][router.PEERS_HASH_ANNOTATION] for c in (config, drained)]
-    assert annotations[0] != annotations[1]
+    deployments = [router.build_router_deployment_spec(owner, revision.spec, c) for c in (config, drained)]
+    assert deployments[0] == deployments[1]  # peers reach the running router through the ConfigMap
+
+
+def test_pods_finish_in_flight_requests_within_their_grace_period():
+    owner, revision = make_owner(), make_revision()
+    config = router.build_router_config(owner, revision.spec, workers.instance_endpoints(revision))
+    pods = [workers.build_worker_pod_spec(revision, revision.plan.segments[0], set()),
+            router.build_router_deployment_spec(owner, revision.spec, config)["spec"]["template"]]
+    for pod in pods:
+        container = pod["spec"]["containers"][0]
+        args = container["args"]
+        shutdown_s = float(args[args.index("--shutdown-timeout-s") + 1])
+        prestop_s = float(container["lifecycle"]["preStop"]["exec"]["command"][-1])
+        assert pod["spec"]["terminationGracePeriodSeconds"] > prestop_s + shutdown_s >= 60
 
 
 def test_revision_id_follows_placement_and_engine_not_slo():

@@ -86,7 +86,7 @@ async def test_apply_change_slo_and_delete(kmock):
         routed = json.loads(router["data"]["router.json"])["instances"]
         assert {e["revision"] for e in routed} == {status["revision"]}
         peers = json.loads(router["data"]["serve.json"])["peers"]
-        assert all(status["revision"] in peer for peer in peers["prefill"] + peers["decode"])
+        assert all(status["revision"] in peer["name"] for peer in peers["prefill"] + peers["decode"])
         await wait_for(lambda: _phase(api, "opt", "Ready"), what="Ready after rollout")
 
         await api.delete("DistServeDeployment", NAMESPACE, "opt")

