@@ -12,24 +12,15 @@ interference DistServe removes. Admission reserves KV like the decode instance.
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 from distserve_engine.instance.batch import Admission, DecodeBatch, Running
-from distserve_engine.instance.loop import InstanceLoop, Sink
-from distserve_engine.request import InstanceLoad, ServeRequest, TokenEvent, now_s
+from distserve_engine.instance.loop import PromptQueueLoop, Waiting
+from distserve_engine.request import InstanceLoad, TokenEvent, now_s
 from distserve_engine.sequence import Sequence
 
 
-@dataclass
-class _Waiting:
-    request: ServeRequest
-    sink: Sink
-    queued_s: float
-
-
-class ColocatedInstance(InstanceLoop):
+class ColocatedInstance(PromptQueueLoop):
     """Prefill and decode of the same requests on one runner, prefill first."""
 
     role = "colocated"
@@ -45,19 +36,6 @@ class ColocatedInstance(InstanceLoop):
             block_size=runner.block_manager.block_size,
             max_batch_size=max_batch_size,
         )
-        self._waiting: deque[_Waiting] = deque()
-
-    def submit(self, request: ServeRequest, sink: Sink) -> None:
-        """Queue a request; `sink` receives all its TokenEvents, the first token included."""
-        if not self.is_healthy:
-            sink(TokenEvent(request.request_id, [], now_s(), error=self.error or "stopped"))
-            return
-        queued_s = now_s()
-        self.post(lambda: self._waiting.append(_Waiting(request, sink, queued_s)))
-
-    def cancel(self, request_id: str) -> None:
-        """Drop a request wherever it is and free its KV."""
-        self.post(lambda: self._cancel(request_id))
 
     def step(self) -> None:
         """Prefill the waiting requests that fit, else decode one token for all."""
@@ -68,8 +46,8 @@ class ColocatedInstance(InstanceLoop):
             for item in self.batch.step():
                 self.admission.release(item.request.request_id)
 
-    def _schedule(self) -> list[_Waiting]:
-        batch: list[_Waiting] = []
+    def _schedule(self) -> list[Waiting]:
+        batch: list[Waiting] = []
         num_tokens = 0
         for item in self._waiting:
             n = item.request.num_prompt_tokens
@@ -84,7 +62,7 @@ class ColocatedInstance(InstanceLoop):
             self._waiting.popleft()
         return batch
 
-    def _prefill(self, batch: list[_Waiting]) -> None:
+    def _prefill(self, batch: list[Waiting]) -> None:
         started_s = now_s()
         seqs = [Sequence(w.request.request_id, w.request.prompt_token_ids, w.request.params) for w in batch]
         self.runner.prefill(seqs)

@@ -14,9 +14,10 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from distserve_engine.request import InstanceLoad
+from distserve_engine.request import InstanceLoad, ServeRequest, TokenEvent, now_s
 
 log = logging.getLogger(__name__)
 
@@ -119,4 +120,36 @@ class InstanceLoop:
 
     def load(self) -> InstanceLoad:
         """A snapshot of queue lengths and KV usage (read from any thread)."""
+        raise NotImplementedError
+
+
+@dataclass
+class Waiting:
+    """A request queued for prefill, and where its events go."""
+
+    request: ServeRequest
+    sink: Sink
+    queued_s: float
+
+
+class PromptQueueLoop(InstanceLoop):
+    """An instance that takes new requests into an FCFS queue of prompts (prefill, colocated)."""
+
+    def __init__(self, name: str, runner: Any) -> None:
+        super().__init__(name, runner)
+        self._waiting: deque[Waiting] = deque()
+
+    def submit(self, request: ServeRequest, sink: Sink) -> None:
+        """Queue a request; `sink` receives its events on the engine thread."""
+        if not self.is_healthy:
+            sink(TokenEvent(request.request_id, [], now_s(), error=self.error or "stopped"))
+            return
+        queued_s = now_s()
+        self.post(lambda: self._waiting.append(Waiting(request, sink, queued_s)))
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request wherever it is and free its KV (the client is gone)."""
+        self.post(lambda: self._cancel(request_id))
+
+    def _cancel(self, request_id: str) -> None:
         raise NotImplementedError

@@ -12,31 +12,21 @@ pushing KV onto a decode instance that has no room.
 from __future__ import annotations
 
 import threading
-from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
-from distserve_engine.instance.loop import InstanceLoop, Sink
+from distserve_engine.instance.loop import PromptQueueLoop, Waiting
 from distserve_engine.kv_cache import KVBlob
 from distserve_engine.request import (
     InstanceLoad,
     KVHandle,
     PrefillOutput,
-    ServeRequest,
     TokenEvent,
     now_s,
 )
 from distserve_engine.sequence import Sequence
 
 
-@dataclass
-class _Waiting:
-    request: ServeRequest
-    sink: Sink
-    queued_s: float
-
-
-class PrefillInstance(InstanceLoop):
+class PrefillInstance(PromptQueueLoop):
     """FCFS prefill batches; KV kept per request until a decode instance takes it."""
 
     role = "prefill"
@@ -47,21 +37,8 @@ class PrefillInstance(InstanceLoop):
         super().__init__(name, runner)
         self.max_prefill_tokens = max_prefill_tokens  # Lm
         self.url = url  # where decode instances reach `take_kv` over HTTP
-        self._waiting: deque[_Waiting] = deque()
         self._held: dict[str, Sequence] = {}
         self._held_lock = threading.Lock()  # `take_kv` runs on transfer threads
-
-    def submit(self, request: ServeRequest, sink: Sink) -> None:
-        """Queue a request; `sink` later receives one PrefillOutput or an error event."""
-        if not self.is_healthy:
-            sink(TokenEvent(request.request_id, [], now_s(), error=self.error or "stopped"))
-            return
-        queued_s = now_s()
-        self.post(lambda: self._waiting.append(_Waiting(request, sink, queued_s)))
-
-    def cancel(self, request_id: str) -> None:
-        """Drop a waiting request or free a held one's KV (client gone)."""
-        self.post(lambda: self._cancel(request_id))
 
     def take_kv(self, request_id: str) -> KVBlob:
         """Copy out a held request's KV and free its blocks; KeyError when not held."""
@@ -109,9 +86,9 @@ class PrefillInstance(InstanceLoop):
                 )
             )
 
-    def _schedule(self) -> list[_Waiting]:
+    def _schedule(self) -> list[Waiting]:
         """Head of the queue while tokens stay within Lm and the KV fits."""
-        batch: list[_Waiting] = []
+        batch: list[Waiting] = []
         num_tokens = 0
         num_blocks = 0
         free_blocks = self.runner.block_manager.num_free_blocks
