@@ -22,12 +22,7 @@ import math
 from collections.abc import Sequence
 
 from distserve.catalog import Accelerator, ModelArch
-from distserve.latency.base import (
-    check_parallelism,
-    dispatch_overhead_s,
-    handoff_s,
-    layers_per_stage,
-)
+from distserve.latency.base import StageLatencyBase, layers_per_stage
 
 # Large GEMMs reach ~70-75% of the tensor-core peak in a serving engine (cuBLAS, fp16).
 GEMM_COMPUTE_EFFICIENCY = 0.72
@@ -61,7 +56,7 @@ COLOCATED_ITERATION_OVERHEAD_S = 9.5e-3
 COLOCATED_PER_WORKER_OVERHEAD_S = 0.8e-3
 
 
-class AnalyticLatencyModel:
+class AnalyticLatencyModel(StageLatencyBase):
     """Appendix A's latency model from a model's shape and an accelerator's peaks."""
 
     source = "analytic"
@@ -76,10 +71,9 @@ class AnalyticLatencyModel:
         *,
         enable_dispatch_overhead: bool = True,
     ) -> None:
-        check_parallelism(model, tp, pp)
-        self.model, self.accelerator, self.tp, self.pp = model, accelerator, tp, pp
-        self.engine = engine
-        self.enable_dispatch_overhead = enable_dispatch_overhead
+        super().__init__(
+            model, accelerator, tp, pp, engine, enable_dispatch_overhead=enable_dispatch_overhead
+        )
         self.num_stage_layers = layers_per_stage(model, pp)
         is_colocated = engine == "colocated"
         self.compute_slowdown = COLOCATED_COMPUTE_SLOWDOWN if is_colocated else 1.0
@@ -166,9 +160,7 @@ class AnalyticLatencyModel:
             + self._lm_head_s(num_sequences)
             + self.engine_iteration_s
         )
-        if self.enable_dispatch_overhead:
-            total_s += dispatch_overhead_s(num_tokens)
-        return total_s
+        return total_s + self._overhead_s(num_tokens)
 
     def prefill_stage_s(self, prompt_lens: Sequence[int]) -> float:
         """Seconds one stage spends on a prefill batch of these prompt lengths."""
@@ -183,10 +175,6 @@ class AnalyticLatencyModel:
     ) -> float:
         """One colocated iteration: prefill chunks (new, already in context) and decodes."""
         return self._iteration_s(prefill_chunks, decode_context_lens)
-
-    def stage_handoff_s(self, num_tokens: int) -> float:
-        """Activation hand-off to the next stage over the intra-node link (0 with one stage)."""
-        return handoff_s(self.model, self.accelerator, num_tokens) if self.pp > 1 else 0.0
 
 
 def _soft_max(a_s: float, b_s: float) -> float:

@@ -80,3 +80,31 @@ def check_parallelism(model: ModelArch, tp: int, pp: int) -> None:
         raise ValueError(f"tp and pp must be at least 1, got tp={tp} pp={pp}")
     if pp > model.num_layers:
         raise ValueError(f"pp={pp} exceeds the {model.num_layers} layers of {model.name}")
+
+
+class StageLatencyBase:
+    """What every latency model shares: its (model, accelerator, tp, pp), the engine's
+    dispatch overhead, and the hand-off between stages."""
+
+    def __init__(
+        self,
+        model: ModelArch,
+        accelerator: Accelerator,
+        tp: int,
+        pp: int,
+        engine: str = "disaggregated",
+        *,
+        enable_dispatch_overhead: bool = True,
+    ) -> None:
+        check_parallelism(model, tp, pp)
+        self.model, self.accelerator, self.tp, self.pp = model, accelerator, tp, pp
+        self.engine = engine
+        self.enable_dispatch_overhead = enable_dispatch_overhead
+
+    def _overhead_s(self, num_tokens: int) -> float:
+        # NOTE: charged on every stage: it stalls the first stage, which paces the pipeline.
+        return dispatch_overhead_s(num_tokens) if self.enable_dispatch_overhead else 0.0
+
+    def stage_handoff_s(self, num_tokens: int) -> float:
+        """Activation hand-off to the next stage over the intra-node link (0 with one stage)."""
+        return handoff_s(self.model, self.accelerator, num_tokens) if self.pp > 1 else 0.0

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from distserve.catalog import Accelerator, ModelArch, get_model
 from distserve.catalog.accelerators import BUILTIN_ACCELERATORS
-from distserve.latency.base import check_parallelism, dispatch_overhead_s, handoff_s
+from distserve.latency.base import StageLatencyBase
 
 ENGINES = ("disaggregated", "colocated")
 MS = 1e-3
@@ -126,7 +126,7 @@ def default_profile() -> LatencyProfile:
         return load_profile(path)
 
 
-class ProfileLatencyModel:
+class ProfileLatencyModel(StageLatencyBase):
     """Latency from a profile's fitted formulas, plus the engine's dispatch overhead."""
 
     source = "profile"
@@ -142,14 +142,10 @@ class ProfileLatencyModel:
         *,
         enable_dispatch_overhead: bool = True,
     ) -> None:
-        check_parallelism(model, tp, pp)
-        self.model, self.accelerator, self.tp, self.pp = model, accelerator, tp, pp
-        self.fit, self.engine = fit, engine
-        self.enable_dispatch_overhead = enable_dispatch_overhead
-
-    def _overhead_s(self, num_tokens: int) -> float:
-        # NOTE: charged on every stage: it stalls the first stage, which paces the pipeline.
-        return dispatch_overhead_s(num_tokens) if self.enable_dispatch_overhead else 0.0
+        super().__init__(
+            model, accelerator, tp, pp, engine, enable_dispatch_overhead=enable_dispatch_overhead
+        )
+        self.fit = fit
 
     def _prefill_ms(self, s1: float, s2: float) -> float:
         a, b, c = self.fit.prefill_abc
@@ -192,8 +188,3 @@ class ProfileLatencyModel:
         _, b_decode, _ = self._decode_abc(max(len(decode_context_lens), 1))
         kv_read_ms = b_decode * sum(decode_context_lens) / self.pp
         return (self._prefill_ms(s1, s2) + kv_read_ms) * MS + self._overhead_s(int(s1))
-
-    def stage_handoff_s(self, num_tokens: int) -> float:
-        """Activation hand-off between stages; the profile does not measure it, so it is
-        computed from bytes over the intra-node link (0 with one stage)."""
-        return handoff_s(self.model, self.accelerator, num_tokens) if self.pp > 1 else 0.0
