@@ -106,14 +106,4 @@ class ColocatedInstance(PromptQueueLoop):
 
     def load(self) -> InstanceLoad:
         """Waiting queue, running batch, promised KV."""
-        waiting = list(self._waiting)
-        return InstanceLoad(
-            instance=self.name,
-            role=self.role,
-            num_waiting=len(waiting),
-            num_waiting_tokens=sum(w.request.num_prompt_tokens for w in waiting),
-            num_running=len(self.batch),
-            kv_usage=self.admission.usage,
-            is_healthy=self.is_healthy,
-            error=self.error,
-        )
+        return self._queue_load(num_running=len(self.batch), kv_usage=self.admission.usage)

@@ -153,3 +153,16 @@ class PromptQueueLoop(InstanceLoop):
 
     def _cancel(self, request_id: str) -> None:
         raise NotImplementedError
+
+    def _queue_load(self, **fields: Any) -> InstanceLoad:
+        """This instance's load: its prompt queue in requests and tokens, plus `fields`."""
+        waiting = list(self._waiting)  # a snapshot: the engine thread appends meanwhile
+        return InstanceLoad(
+            instance=self.name,
+            role=self.role,
+            num_waiting=len(waiting),
+            num_waiting_tokens=sum(w.request.num_prompt_tokens for w in waiting),
+            is_healthy=self.is_healthy,
+            error=self.error,
+            **fields,
+        )

@@ -144,14 +144,6 @@ class PrefillInstance(PromptQueueLoop):
 
     def load(self) -> InstanceLoad:
         """Queue length in requests and tokens, held KV, cache usage."""
-        waiting = list(self._waiting)
-        return InstanceLoad(
-            instance=self.name,
-            role=self.role,
-            num_waiting=len(waiting),
-            num_waiting_tokens=sum(w.request.num_prompt_tokens for w in waiting),
-            num_held=len(self._held),
-            kv_usage=self.runner.block_manager.usage,
-            is_healthy=self.is_healthy,
-            error=self.error,
+        return self._queue_load(
+            num_held=len(self._held), kv_usage=self.runner.block_manager.usage
         )
