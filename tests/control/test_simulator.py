@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_instance, make_trace
+from sim_factories import make_instance, make_trace
 
 from distserve.simulator import SLO, TransferModel, simulate_colocated, simulate_disaggregated
 
