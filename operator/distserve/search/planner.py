@@ -8,7 +8,6 @@ adds the best colocated and chunked-prefill baselines on the same number of GPUs
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -20,6 +19,7 @@ from distserve.plan import LatencyStats, PhaseConfig, Plan
 from distserve.search.algorithms import UnitChoice, algorithm1, algorithm2
 from distserve.search.baselines import baseline_configs, best_baselines
 from distserve.search.candidates import ClusterShape, instance_configs
+from distserve.search.cpus import usable_cpus
 from distserve.search.placement import (
     ClusterTooSmall,
     pair_links,
@@ -273,7 +273,8 @@ class _pool:
     """A process pool as a map over argument tuples (inline with one worker)."""
 
     def __init__(self, workers: int | None) -> None:
-        self.workers = workers or os.cpu_count() or 1
+        # NOTE: the container's CPU limit, not the host's cores (see `cpus`).
+        self.workers = workers or usable_cpus()
         self.executor = None
 
     def __enter__(self):
