@@ -4,14 +4,20 @@ Progress goes to stderr while the search runs; the chosen plan, its predicted
 goodput, attainment and latency percentiles, the latency source every candidate and
 baseline was timed with, and the best colocated and chunked-prefill plans on the same
 GPUs go to stdout (one JSON object with --json, the source under "latency_source").
+
+A spec that leaves the cluster shape to the Nodes (as one applied to a cluster does)
+gets it from `--nodes/--gpus-per-node/--accelerator`, else from the current kubeconfig's
+cluster (`shape`); with neither, the command says which flags to give.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
 
+from distserve.cli.shape import ShapeUnknown, complete_cluster
 from distserve.latency import SourceChoice
 from distserve.plan import Plan
 from distserve.search import NoFeasiblePlan, plan_deployment
@@ -21,6 +27,7 @@ from distserve.spec import load_manifest
 NAME = "plan"
 HELP = "Search the goodput-optimal prefill/decode placement for a DistServeDeployment spec."
 EXIT_NO_PLAN = 1
+EXIT_NO_SHAPE = 2
 
 
 def add_arguments(parser) -> None:
@@ -30,19 +37,46 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw SLO attainment against per-GPU rate for the plan and baselines")
+    cluster = parser.add_argument_group(
+        "cluster shape", "override spec.cluster; unset there and here: read from the "
+        "current kubeconfig's cluster")
+    cluster.add_argument("--nodes", type=_positive_int, metavar="N", help="number of nodes")
+    cluster.add_argument("--gpus-per-node", type=_positive_int, metavar="G", help="GPUs per node")
+    cluster.add_argument("--accelerator", metavar="NAME",
+                         help="GPU type: A100-80GB, H100-80GB, H200-141GB, L40S or CPU")
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def run(args) -> int:
     """Plan, print, optionally plot; exit 1 when no placement meets the SLOs."""
     manifest = load_manifest(args.file)
-    latency = latency_choice(manifest.spec)
+    try:
+        spec, source = complete_cluster(manifest.spec, nodes=args.nodes,
+                                        gpus_per_node=args.gpus_per_node,
+                                        accelerator=args.accelerator)
+    except ShapeUnknown as err:
+        print(f"error: cluster shape unknown: {err}", file=sys.stderr)
+        return EXIT_NO_SHAPE
+    latency = latency_choice(spec)
     started = time.perf_counter()
 
     def progress(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
+    progress(f"cluster: {spec.cluster.nodes} x {spec.cluster.gpus_per_node} "
+             f"{spec.cluster.accelerator} from {source}")
     try:
-        plan = plan_deployment(manifest.spec, progress=progress)
+        plan = plan_deployment(spec, progress=progress)
     except NoFeasiblePlan as err:
         print(f"error: no feasible plan: {err}", file=sys.stderr)
         return EXIT_NO_PLAN
@@ -55,7 +89,7 @@ def run(args) -> int:
     else:
         print(format_plan(plan, manifest.metadata.name, latency))
     if args.plot:
-        _plot(manifest.spec, plan, args.plot)
+        _plot(spec, plan, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
