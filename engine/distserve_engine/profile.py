@@ -148,8 +148,9 @@ def profile_runner(runner: ModelRunner, grid: ProfileGrid,
                          "runner's context and KV cache: widen it or raise the KV budget")
     point_to_run = {("prefill", b): functools.partial(_prefill_once, runner, b) for b in prefill_points}
     point_to_run |= {("decode", p): functools.partial(_decode_once, runner, *p) for p in decode_points}
-    say(f"timing {len(prefill_points)} prefill batches and {len(decode_points)} decode points")
-    point_to_ms = _median_ms_interleaved(point_to_run, grid)
+    say(f"timing {len(prefill_points)} prefill batches and {len(decode_points)} decode points "
+        f"(a warm-up round, then at least {grid.repeats} timed rounds)")
+    point_to_ms = _median_ms_interleaved(point_to_run, grid, say)
     prefill = [Timing(sum(b), sum(n * n for n in b), point_to_ms[("prefill", b)], _prefill_label(b))
                for b in prefill_points]
     decode = [Timing(bs * ctx, bs, point_to_ms[("decode", (bs, ctx))], f"decode B={bs} ctx={ctx}")
@@ -177,6 +178,8 @@ def profile_model(config: EngineConfig, grid: ProfileGrid | None = None, threads
     if config.device_type == "cpu" and threads:
         torch.set_num_threads(threads)
     try:
+        if progress:
+            progress(f"loading {config.model} on {config.device_type}")
         runner = ModelRunner(config)
         if grid is None:
             grid = ProfileGrid.default(max_context_len=min(512, runner.max_model_len // 2))
@@ -266,24 +269,32 @@ def _decode_once(runner: ModelRunner, batch_size: int, context_len: int) -> floa
             runner.free(seq)
 
 
-def _median_ms_interleaved(point_to_run: dict, grid: ProfileGrid) -> dict:
+def _median_ms_interleaved(point_to_run: dict, grid: ProfileGrid,
+                           say: Callable[[str], None]) -> dict:
     """Each point's median time. After grid.warmup untimed runs of every point, the points
     are timed in rounds, one run each, so that a burst of load from other processes
     spreads over all points instead of skewing a few neighbours; a point takes part in
     rounds until it has grid.repeats runs and they add up to grid.min_point_s (a tiny
-    model's fast points run more, at most MAX_REPEATS)."""
+    model's fast points run more, at most MAX_REPEATS). One progress line per round."""
+    started = time.perf_counter()
     for run in point_to_run.values():
         for _ in range(grid.warmup):
             run()
+    say(f"warm-up round done ({time.perf_counter() - started:.0f} s)")
     point_to_times: dict = {point: [] for point in point_to_run}
 
     def needs_more(times: list[float]) -> bool:
         return len(times) < grid.repeats or (
             sum(times) < grid.min_point_s * 1e3 and len(times) < MAX_REPEATS)
 
+    num_rounds = 0
     while pending := [p for p, times in point_to_times.items() if needs_more(times)]:
         for point in pending:
             point_to_times[point].append(point_to_run[point]())
+        num_rounds += 1
+        if num_rounds <= grid.repeats:  # later rounds re-time only fast points, briefly
+            say(f"timed round {num_rounds} of {grid.repeats} ({len(pending)} points, "
+                f"{time.perf_counter() - started:.0f} s)")
     return {point: statistics.median(times) for point, times in point_to_times.items()}
 
 

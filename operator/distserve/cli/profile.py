@@ -17,10 +17,12 @@ import os
 import platform
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from distserve.catalog import get_accelerator, get_model
+from distserve.local.machine import cpu_model
 from distserve.spec import DistServeDeploymentSpec, SpecError, load_manifest
 
 NAME = "profile"
@@ -48,10 +50,13 @@ def add_arguments(parser) -> None:
                         help="timed runs per point, the median kept (default 3)")
 
 
+class ProfileError(RuntimeError):
+    """Profiling could not run or failed; the message says why."""
+
+
 def run(args) -> int:
     """Profile, fit, write; exit 1 when the output cannot be written or the engine fails."""
-    manifest = load_manifest(args.file)
-    spec = manifest.spec
+    spec = load_manifest(args.file).spec
     model, accelerator = _catalog_names(spec)
     output = Path(args.output or f"{model.split('/')[-1].lower()}-{accelerator.lower()}-profile.json")
     problem = _unwritable(output) or (
@@ -60,20 +65,38 @@ def run(args) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_PROFILE_ERROR
-    load_before = os.getloadavg()
+    command = "distserve profile " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
+        if sys.argv[1:2] == ["profile"] else f"distserve profile -f {args.file}"
     try:
-        measured = _measure(spec, args.threads, args.repeats)
-    except ImportError as err:
-        print(f"error: the profiler needs the engine (pip install 'distserve[engine]'): {err}",
-              file=sys.stderr)
+        measured = measure_profile(spec, output, command, args.threads, args.repeats)
+    except ProfileError as err:
+        print(f"error: {err}", file=sys.stderr)
         return EXIT_PROFILE_ERROR
-    except (ValueError, RuntimeError, OSError) as err:  # EngineError is a ValueError
-        print(f"error: profiling failed: {err}", file=sys.stderr)
-        return EXIT_PROFILE_ERROR
-    doc = profile_document(measured, model, accelerator, _provenance(args, measured, load_before))
-    output.write_text(json.dumps(doc, indent=1) + "\n")
     print(_summary(measured, output))
     return 0
+
+
+def measure_profile(spec: DistServeDeploymentSpec, output: Path, command: str, threads: int = 1,
+                    repeats: int = 3, progress: Callable[[str], None] | None = None,
+                    extra_provenance: dict | None = None) -> Any:
+    """Measure the spec's model here and write the profile file to `output` (whole or not
+    at all: an interrupted run leaves no file). Returns the engine's `HardwareProfile`;
+    ProfileError when the engine is missing or fails."""
+    say = progress or (lambda message: print(message, file=sys.stderr, flush=True))
+    model, accelerator = _catalog_names(spec)
+    load_before = os.getloadavg()
+    try:
+        measured = _measure(spec, threads, repeats, say)
+    except ImportError as err:
+        raise ProfileError(f"the profiler needs the engine (pip install 'distserve[engine]'): {err}") from None
+    except (ValueError, RuntimeError, OSError) as err:  # EngineError is a ValueError
+        raise ProfileError(f"profiling failed: {err}") from None
+    provenance = _provenance(command, measured, load_before) | (extra_provenance or {})
+    doc = profile_document(measured, model, accelerator, provenance)
+    partial = output.with_name(f".{output.name}.partial")
+    partial.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(partial, output)
+    return measured
 
 
 def _catalog_names(spec: DistServeDeploymentSpec) -> tuple[str, str]:
@@ -101,7 +124,8 @@ def _unwritable(output: Path) -> str | None:
     return None
 
 
-def _measure(spec: DistServeDeploymentSpec, threads: int, repeats: int) -> Any:
+def _measure(spec: DistServeDeploymentSpec, threads: int, repeats: int,
+             say: Callable[[str], None]) -> Any:
     """Run the engine's profiler on the engine settings `distserve up` would use."""
     from distserve.local.settings import engine_device, find_model_path, serve_settings
     from distserve_engine.config import EngineConfig
@@ -115,12 +139,10 @@ def _measure(spec: DistServeDeploymentSpec, threads: int, repeats: int) -> Any:
         max_prefill_tokens=spec.planner.max_prefill_tokens or DEFAULT_PREFILL_TOKENS[config.device_type],
         max_decode_batch=spec.planner.max_decode_batch, max_context_len=max_context, repeats=repeats,
     )
-    print(f"profiling {spec.model.name} on {device} ({threads} thread(s)): "
-          f"{len(grid.prefill_batches)} prefill batches, "
-          f"{len(grid.decode_batch_sizes) * len(grid.decode_context_lens)} decode points",
-          file=sys.stderr, flush=True)
-    return profile_model(config, grid, threads if device == "cpu" else None,
-                         progress=lambda message: print(message, file=sys.stderr, flush=True))
+    say(f"profiling {spec.model.name} on {device} ({threads} thread(s)): "
+        f"{len(grid.prefill_batches)} prefill batches, "
+        f"{len(grid.decode_batch_sizes) * len(grid.decode_context_lens)} decode points")
+    return profile_model(config, grid, threads if device == "cpu" else None, progress=say)
 
 
 def profile_document(measured: Any, model: str, accelerator: str, provenance: dict) -> dict:
@@ -156,16 +178,16 @@ def _timing_row(timing: Any, x1: str, x2: str) -> dict:
     return {"what": timing.label, x1: timing.x1, x2: timing.x2, "ms": round(timing.ms, 3)}
 
 
-def _provenance(args, measured: Any, load_before: tuple[float, float, float]) -> dict:
+def _provenance(command: str, measured: Any, load_before: tuple[float, float, float]) -> dict:
     """Who measured what, where, when and under what load (the numbers depend on all four)."""
     import torch
 
-    command = "distserve profile " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
-        if sys.argv[1:2] == ["profile"] else f"distserve profile -f {args.file}"
     load = [round(x, 2) for x in os.getloadavg()]
     load_1min = f"{load_before[0]:.2f} at the start, {load[0]:.2f} at the end"
-    cpu = _cpu_model()
+    cpu = cpu_model()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    # NOTE: `distserve up` reads this section back (`distserve.local.machine`) to tell
+    # whether a profile was measured on the machine that serves.
     device = {"type": measured.device, "threads": measured.threads, "cpu_model": cpu,
               "cpu_cores": os.cpu_count(), "torch": torch.__version__}
     if measured.device.startswith("cuda"):
@@ -180,16 +202,6 @@ def _provenance(args, measured: Any, load_before: tuple[float, float, float]) ->
         "load_average_1_5_15": {"start": [round(x, 2) for x in load_before], "end": load},
         "seconds": round(measured.seconds, 1), "device": device,
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _summary(measured: Any, output: Path) -> str:

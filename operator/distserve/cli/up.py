@@ -7,6 +7,14 @@ a minute of the spec's workload (at `--rate`, else `workload.rateRps`, else the 
 goodput) with a progress bar,
 prints TTFT/TPOT percentiles, SLO attainment and goodput beside the planner's
 prediction, and stops. `--colocated N` runs N colocated instances (the baseline).
+
+The planner predicts with this machine's latency profile: on the CPU, the first run on a
+machine measures it (a minute or more, with progress lines) and caches it; later runs
+read the cache (`distserve.local.profiles` says which file wins and why). `--profile
+FILE` plans with FILE; `--no-measure` skips measuring and plans with the spec's
+`planner.profilePath`, warning when that was measured on another machine. The line
+naming the profile (path, machine, date) is printed before the plan, and again under
+the demo's report. The work folder (settings, process logs) is removed on stop.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from distserve.spec import load_manifest
 NAME = "up"
 HELP = "Run a DistServeDeployment on this machine (router + instances), serving the OpenAI API."
 DEMO_SECONDS = 60.0
+EXIT_USAGE_ERROR = 2
 EXIT_LAUNCH_ERROR = 3
 
 
@@ -37,6 +46,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--demo", action="store_true", help="drive a short load, report, and stop")
     parser.add_argument("--rate", type=float, default=None, help="demo rate in req/s (default: the planner's goodput)")
     parser.add_argument("--duration", type=float, default=DEMO_SECONDS, help="demo length in seconds")
+    parser.add_argument("--profile", default=None, metavar="FILE",
+                        help="plan with this latency profile (`distserve profile -o FILE`) instead of "
+                             "this machine's cached one or the spec's planner.profilePath")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="do not measure this machine's profile on first use: plan with the "
+                             "cached one, else the spec's planner.profilePath")
 
 
 def _log(message: str) -> None:
@@ -57,12 +72,23 @@ def run(args) -> int:
     manifest = load_manifest(args.file)
     spec = manifest.spec  # relative paths already read from the spec's folder
     model_path = find_model_path(spec)
+    # SIGTERM (kill, a supervisor) stops everything as Ctrl-C does, from here on (measuring
+    # included); Ray installs its own handler on `ray.init`, which exits the same way.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        source = _choose_profile(args, spec, model_path)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE_ERROR
+    spec.planner.profile_path = source.path
+    _log(f"profile: {source.describe()}")
     plan = None
     try:
         _log("planning ...")
         plan = plan_deployment(spec)
         _log(f"plan: {plan.prefill.instances} prefill + {plan.decode.instances} decode instance(s), "
-             f"predicted goodput {plan.goodput_rps:.2f} req/s at {plan.attainment:.0%} attainment")
+             f"predicted goodput {plan.goodput_rps:.2f} req/s at {plan.attainment:.0%} attainment "
+             f"(latency: {plan.latency_source})")
     except NoFeasiblePlan as err:
         if not (args.colocated or spec.placement):
             print(f"error: no feasible plan: {err}", file=sys.stderr)
@@ -77,13 +103,11 @@ def run(args) -> int:
     settings = serve_settings(spec, instances, manifest.metadata.name, model_path, parallel)
     backend = "ray" if args.ray_address else args.backend
     launcher = LocalLauncher(settings, args.host, args.port, backend, args.ray_address)
-    # SIGTERM (kill, a supervisor) stops everything as Ctrl-C does; Ray installs its own
-    # handler on `ray.init`, which exits the same way.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    _log(f"work folder {launcher.workdir} (settings and logs; removed on stop)")
     try:
         launcher.start(progress=_log)
         if args.demo:
-            return _demo(args, spec, plan, launcher)
+            return _demo(args, spec, plan, launcher, source)
         _log("serving; Ctrl-C stops")
         while True:
             time.sleep(3600)
@@ -101,7 +125,23 @@ def _raise_interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
-def _demo(args, spec, plan, launcher) -> int:
+def _choose_profile(args, spec, model_path: str):
+    """The latency profile to plan with; measures and caches this machine's on first use."""
+    from distserve.cli.profile import measure_profile
+    from distserve.local.profiles import THREADS_PER_RANK, choose_profile
+    from distserve.local.settings import serve_settings
+
+    engine = serve_settings(spec, {"prefill": 1, "decode": 1}, "profile", model_path)["engine"]
+
+    def measure(path, key: dict) -> None:
+        measure_profile(spec, path, f"distserve up -f {args.file} (first use on this machine)",
+                        THREADS_PER_RANK, progress=lambda m: _log(f"  {m}"),
+                        extra_provenance={"cache_key": key})
+
+    return choose_profile(spec, engine, args.profile, not args.no_measure, measure, _log)
+
+
+def _demo(args, spec, plan, launcher, source) -> int:
     """About a minute of the spec's workload; the report beside the planner's prediction."""
     from distserve.local.load import drive
     from distserve.local.report import format_summary, summarize
@@ -119,7 +159,6 @@ def _demo(args, spec, plan, launcher) -> int:
     outcomes = asyncio.run(drive(launcher.url, spec.model.name, requests, seed=spec.planner.seed))
     summary = summarize(outcomes, rate_rps, spec.slo.ttft_seconds, spec.slo.tpot_seconds)
     print(format_summary(summary, plan, spec.slo.attainment))
-    if plan is not None and spec.cluster.accelerator.upper() == "CPU" and not spec.planner.profile_path:
-        print("  note: the planner predicts the CPU with its analytic model (no measured CPU profile: "
-              "see `distserve profile`)")
+    if plan is not None:
+        print(f"  predicted with profile {source.describe()}")
     return 0

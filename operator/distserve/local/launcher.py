@@ -7,13 +7,15 @@ core per rank, and its process starts its other ranks itself (`instance/workers.
 Two ways to run those processes: plain child processes
 (`backend="process"`), or Ray actors (`backend="ray"`, also `--ray-address` to join a
 cluster), each actor running the same server. Everything started is stopped by
-`stop()` (also on Ctrl-C), in reverse order.
+`stop()` (also on Ctrl-C), in reverse order, and the work folder (settings and logs)
+is removed with them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -159,18 +161,23 @@ class LocalLauncher:
         return "\n".join(proc.log_path.read_text(errors="replace").splitlines()[-num_lines:])
 
     def stop(self) -> None:
-        """Stop every process started, router first."""
-        for proc in reversed(self.procs):
-            if proc.handle is None:
-                continue
+        """Stop every process started, router first, then remove the work folder."""
+        try:
+            for proc in reversed(self.procs):
+                if proc.handle is None:
+                    continue
+                if self._ray is not None:
+                    self._ray.kill(proc)
+                else:
+                    _terminate(proc.handle)
+                proc.handle = None
             if self._ray is not None:
-                self._ray.kill(proc)
-            else:
-                _terminate(proc.handle)
-            proc.handle = None
-        if self._ray is not None:
-            self._ray.shutdown()
-            self._ray = None
+                self._ray.shutdown()
+                self._ray = None
+        finally:
+            # NOTE: the logs go with it; a process that fails to start has its log's tail
+            # in the LaunchError message, printed before this runs.
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def _terminate(popen: subprocess.Popen) -> None:
