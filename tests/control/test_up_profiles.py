@@ -8,6 +8,7 @@ tests/serving/test_up_profile.py); the cache lives under a temporary XDG_CACHE_H
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -34,20 +35,25 @@ def make_profile(path, machine: Machine, date: str = "2026-11-29T16:19:47Z") -> 
     return str(path)
 
 
-def make_spec(tmp_path, profile_path: str | None = None, max_decode_batch: int = 32):
-    """A CPU spec of SmolLM2, with planner.profilePath when given."""
+def write_spec(tmp_path, profile_path: str | None = None, max_decode_batch: int = 32) -> Path:
+    """A CPU spec file of SmolLM2 (weights in tmp_path), with planner.profilePath when given."""
     planner = {"maxPrefillTokens": 512, "maxDecodeBatch": max_decode_batch}
     if profile_path:
         planner["profilePath"] = profile_path
     doc = {"apiVersion": "distserve.io/v1alpha1", "kind": "DistServeDeployment",
            "metadata": {"name": "local"},
-           "spec": {"model": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+           "spec": {"model": {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "path": str(tmp_path)},
                     "slo": {"ttftSeconds": 6.0, "tpotSeconds": 0.4},
                     "cluster": {"accelerator": "CPU", "nodes": 1, "gpusPerNode": 2},
                     "planner": planner, "engine": {"device": "cpu"}}}
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(doc))
-    return load_manifest(path).spec
+    return path
+
+
+def make_spec(tmp_path, profile_path: str | None = None, max_decode_batch: int = 32):
+    """The spec of write_spec, loaded."""
+    return load_manifest(write_spec(tmp_path, profile_path, max_decode_batch)).spec
 
 
 class FakeMeasure:
@@ -142,3 +148,17 @@ def test_the_shipped_profile_records_the_machine_it_was_measured_on():
     doc = json.loads(SHIPPED_PROFILE.read_text())
     machine = Machine.of_profile(doc)
     assert machine == Machine("cpu", "Intel(R) Xeon(R) Processor", 2, 1, "2.13.0+cpu")
+
+
+def test_up_refuses_an_unreadable_profile_before_starting_anything(tmp_path, capsys):
+    from distserve.cli import main
+
+    spec = write_spec(tmp_path)
+    sigterm_handler = signal.getsignal(signal.SIGTERM)  # `up` sets its own
+    try:
+        assert main(["up", "-f", str(spec), "--profile", str(tmp_path / "missing.json")]) == 2
+    finally:
+        signal.signal(signal.SIGTERM, sigterm_handler)
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --profile: {tmp_path / 'missing.json'}: cannot read a latency profile")
+    assert "work folder" not in err and "planning" not in err

@@ -103,7 +103,11 @@ class LocalLauncher:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> LocalLauncher:
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # __exit__ does not run when __enter__ raises
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *_: Any) -> None:

@@ -1,0 +1,128 @@
+"""`distserve up` with the tiny model: this machine's profile is measured on the first run
+and read from the cache on the next, `--profile FILE` overrides it, the printed plan names
+the profile, and the work folder is gone after every way of stopping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+from serving_helpers import wait_until
+from test_up import CLI, free_port_block
+
+SPEC = """\
+apiVersion: distserve.io/v1alpha1
+kind: DistServeDeployment
+metadata: {{name: tiny-profile}}
+spec:
+  model: {{name: {path}/config.json, path: {path}, maxModelLen: 256}}
+  slo: {{ttftSeconds: 5, tpotSeconds: 1}}
+  cluster: {{accelerator: CPU, nodes: 1, gpusPerNode: 2}}
+  placement:
+    prefill: {{tp: 1, pp: 1, instances: 1}}
+    decode: {{tp: 1, pp: 1, instances: 1}}
+  planner: {{numRequests: 50, maxPrefillTokens: 64, maxDecodeBatch: 4}}
+  engine: {{device: cpu}}
+"""
+DEMO = ["--demo", "--rate", "2", "--duration", "2"]
+
+
+class Up:
+    """One `distserve up` process with its own cache and temporary folders."""
+
+    def __init__(self, tmp_path: Path, spec: Path, *flags: str) -> None:
+        self.port = free_port_block()
+        env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "TMPDIR": str(tmp_path / "tmp")}
+        (tmp_path / "tmp").mkdir(exist_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CLI, "up", "-f", str(spec), "--port", str(self.port), *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+
+    def finish(self, timeout_s: float = 400) -> tuple[int, str]:
+        """Wait for the exit; (exit code, everything it printed)."""
+        try:
+            out, _ = self.proc.communicate(timeout=timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.proc.returncode, out
+
+    def is_serving(self) -> bool:
+        assert self.proc.poll() is None, self.proc.stdout.read()
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+def profile_line(log: str) -> str:
+    (line,) = [line for line in log.splitlines() if line.startswith("profile: ")]
+    return line
+
+
+def work_folder(log: str) -> Path:
+    return Path(re.search(r"^work folder (\S+) ", log, re.M).group(1))
+
+
+@pytest.mark.slow
+def test_up_measures_once_then_reads_the_cache_and_profile_overrides(tiny_llama, tmp_path):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(textwrap.dedent(SPEC.format(path=tiny_llama)))
+
+    # First run: measured here, with progress lines, then cached; the demo ends normally.
+    code, log = Up(tmp_path, spec, *DEMO).finish()
+    assert code == 0, log
+    assert "measuring this machine's latency profile" in log
+    assert "timed round 1 of 3" in log
+    (cached,) = (tmp_path / "cache" / "distserve" / "profiles").glob("*.json")
+    assert profile_line(log).startswith(f"profile: {cached} (measured just now on this machine: ")
+    assert f"predicted with profile {cached} (measured just now" in log  # under the demo's report
+    assert f"latency: profile {cached.name}" in log  # the planner read it
+    doc = json.loads(cached.read_text())
+    assert doc["device"]["threads"] == 1 and doc["device"]["cpu_model"] in profile_line(log)
+    assert not work_folder(log).exists()
+    assert list((tmp_path / "tmp").glob("distserve-up-*")) == []
+
+    # Second run: the cache is read, nothing measured; SIGTERM stops it.
+    up = Up(tmp_path, spec)
+    assert wait_until(up.is_serving, timeout_s=240)
+    up.proc.send_signal(signal.SIGTERM)
+    code, log = up.finish(60)
+    assert code == 0, log
+    assert "measuring" not in log
+    assert profile_line(log).startswith(f"profile: {cached} (cached; measured on ")
+    assert not work_folder(log).exists()
+
+    # --profile wins over the cache.
+    given = tmp_path / "given.json"
+    shutil.copy(cached, given)
+    code, log = Up(tmp_path, spec, "--profile", str(given), *DEMO).finish()
+    assert code == 0, log
+    assert profile_line(log).startswith(f"profile: {given} (given by --profile; measured on ")
+    assert "latency: profile given.json" in log
+    assert not work_folder(log).exists()
+
+
+def test_a_process_that_fails_to_start_leaves_no_work_folder(tmp_path):
+    from distserve.local.launcher import LaunchError, LocalLauncher
+
+    settings = {"engine": {"model": str(tmp_path / "no-model-here"), "device": "cpu"},
+                "model_name": "tiny", "deployment": "test", "max_prefill_tokens": 64,
+                "max_decode_batch": 4, "slo": {"ttft_s": 5.0, "tpot_s": 1.0},
+                "instances": {"prefill": 1, "decode": 1}}
+    launcher = LocalLauncher(settings, port=free_port_block())
+    assert launcher.workdir.is_dir()
+    with pytest.raises(LaunchError, match="exited while starting"):
+        with launcher:
+            pass
+    assert not launcher.workdir.exists()
