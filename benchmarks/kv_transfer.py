@@ -88,7 +88,7 @@ def _pull(instance: PrefillInstance, decode_runner: ModelRunner, fetcher: KVFetc
     else:
         inprocess_transfer.unregister(instance)
         if transport == "tcp":
-            handle.host = "elsewhere"
+            handle.shm_token = ""  # as a decode process that does not share /dev/shm sees it
     assert fetcher.transport_for(handle) == transport
     seq = Sequence(rid, list(range(1000, 1000 + n)), SamplingParams(max_tokens=OUTPUT_TOKENS))
     t0 = time.perf_counter()

@@ -66,8 +66,19 @@ fi
 log "OpenAI request through the Service"
 kubectl port-forward svc/smollm2 18000:8000 >/dev/null 2>&1 & PF_PID=$!
 for _ in $(seq 30); do curl -fs localhost:18000/health >/dev/null && break; sleep 1; done
+PROMPT="The capital of France is"
 reply=$(curl -fsS localhost:18000/v1/completions -H 'Content-Type: application/json' \
-  -d '{"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8}')
+  -d "{\"model\": \"HuggingFaceTB/SmolLM2-135M-Instruct\", \"prompt\": \"$PROMPT\", \"max_tokens\": 16, \"temperature\": 0, \"ignore_eos\": true}")
 echo "$reply"
-echo "$reply" | python -c 'import json,sys; r=json.load(sys.stdin); assert r["choices"][0]["text"], r'
+
+log "greedy text equal to a single engine's (the KV crossed pods: a wrong transport decodes garbage)"
+decode_pod=$(kubectl get pods -l distserve.io/deployment=smollm2,distserve.io/role=decode -o jsonpath='{.items[0].metadata.name}')
+expected=$(kubectl exec -i "$decode_pod" -- python - /etc/distserve/serve.json "$PROMPT" 16 < e2e/reference.py)
+echo "single engine: $expected"
+echo "$reply" | EXPECTED="$expected" python -c '
+import json, os, sys
+text, expected = json.load(sys.stdin)["choices"][0]["text"], os.environ["EXPECTED"]
+assert text == expected, f"deployment {text!r} != single engine {expected!r}"'
+curl -fsS localhost:18000/metrics | grep -E '^distserve_kv_transfer_bytes_total' \
+  | grep -q 'transport="tcp"' || { echo "e2e: the KV did not cross pods over TCP" >&2; exit 1; }
 log "e2e passed"

@@ -11,15 +11,11 @@ in-process, over HTTP between processes, and between pods.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from distserve_engine.sampling import SamplingParams
-
-HOSTNAME = socket.gethostname()
 
 
 def now_s() -> float:
@@ -68,8 +64,7 @@ class KVHandle:
     request_id: str
     instance: str  # name of the prefill instance holding the KV
     url: str  # HTTP address of that instance ("" when only in-process)
-    host: str = HOSTNAME  # host name: same host -> shared memory, else TCP
-    pid: int = field(default_factory=os.getpid)  # same process -> in-process handover
+    shm_token: str = ""  # token file in the prefill's /dev/shm arena ("" = no arena)
     num_tokens: int = 0  # tokens whose KV is held (the prompt)
     nbytes: int = 0  # bytes of K plus V
 

@@ -94,9 +94,12 @@ async def test_deleted_worker_pod_is_recreated_with_an_event(kmock):
             names = {p["metadata"]["name"] for p in await owned(api, "Pod", "opt")}
             return gone in names and await api.get("ConfigMap", NAMESPACE, "opt-router")
         await _wait(back)
-        events = [r.data for r in list(kmock) if r.method == "POST" and r.resource is not None
-                  and r.resource.plural == "events" and (r.data or {}).get("reason") == "Recreated"]
-        assert events and gone in events[0]["message"]
+
+        async def recreated_events():  # posted after the objects, so waited for too
+            return [r.data for r in list(kmock) if r.method == "POST" and r.resource is not None
+                    and r.resource.plural == "events" and (r.data or {}).get("reason") == "Recreated"]
+        events = await _wait(recreated_events)
+        assert gone in events[0]["message"]
         assert len(await owned(api, "Pod", "opt")) == len(pods)
     finally:
         await stop(runner)

@@ -37,6 +37,7 @@ class PrefillInstance(PromptQueueLoop):
         super().__init__(name, runner)
         self.max_prefill_tokens = max_prefill_tokens  # Lm
         self.url = url  # where decode instances reach `take_kv` over HTTP
+        self.shm_token = ""  # set when a shared-memory arena serves this instance's pulls
         self._held: dict[str, Sequence] = {}
         self._held_lock = threading.Lock()  # `take_kv` runs on transfer threads
 
@@ -67,6 +68,7 @@ class PrefillInstance(PromptQueueLoop):
                     request_id=item.request.request_id,
                     instance=self.name,
                     url=self.url,
+                    shm_token=self.shm_token,
                     num_tokens=seq.num_prompt_tokens,
                     nbytes=self._kv_nbytes(seq.num_prompt_tokens),
                 )

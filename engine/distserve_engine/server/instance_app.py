@@ -7,7 +7,8 @@ Internal endpoints (JSON; the contract is `request.py`'s dataclasses):
 - `GET /kv/{id}` raw K then V bytes, header in X-KV-Header (prefill; TCP transfer)
 - `POST /kv/{id}/shm` -> header: where in this process's /dev/shm arena the KV now is
   (prefill; shared-memory transfer); `DELETE /kv/{id}/shm` releases that range.
-- `DELETE /requests/{id}` cancel; `GET /load`, `GET /health`, `GET /metrics`.
+- `DELETE /requests/{id}` cancel; `GET /load`, `GET /health` (ready for work),
+  `GET /livez` (the engine thread alive and not stuck), `GET /metrics`.
 A caller that disconnects from a prefill or a stream cancels the request.
 """
 
@@ -34,6 +35,7 @@ def build_instance_app(instance: Any, metrics: Any = None) -> FastAPI:
     arena = None
     if instance.role == "prefill" and shm.is_available():
         arena = shm.Arena(min(instance.runner.kv_cache.nbytes, MAX_ARENA_BYTES))
+        instance.shm_token = arena.token  # handles tell decode processes how to prove sharing
         app.router.on_shutdown.append(arena.close)
 
     def sink_to(queue: asyncio.Queue) -> Any:
@@ -91,12 +93,12 @@ def build_instance_app(instance: Any, metrics: Any = None) -> FastAPI:
 
     @app.post("/kv/{request_id}/shm")
     async def kv_shm(request_id: str) -> Response:
+        if arena is None:
+            return JSONResponse({"error": "this instance has no shared-memory arena"}, status_code=409)
         try:
             blob = await asyncio.to_thread(instance.take_kv, request_id)
         except KeyError:
             return JSONResponse({"error": f"no KV held for {request_id}"}, status_code=404)
-        if arena is None:
-            return JSONResponse(await asyncio.to_thread(shm.write_file, blob))
         return JSONResponse(await asyncio.to_thread(arena.put, request_id, blob))
 
     @app.delete("/kv/{request_id}/shm")
@@ -116,6 +118,11 @@ def build_instance_app(instance: Any, metrics: Any = None) -> FastAPI:
     async def health() -> Response:
         status = 200 if instance.is_healthy else 503
         return JSONResponse({"healthy": instance.is_healthy, "error": instance.error}, status_code=status)
+
+    @app.get("/livez")
+    async def livez() -> Response:
+        is_live = instance.is_live()  # False: dead or hung; kubelet restarts the pod
+        return JSONResponse({"live": is_live, "error": instance.error}, status_code=200 if is_live else 503)
 
     @app.get("/metrics")
     async def metrics_text() -> Response:

@@ -1,11 +1,17 @@
-"""Picks the transport for one pull from where the KV is, and times it."""
+"""Picks the transport for one pull from where the KV is, and times it.
+
+The choice rests on proof, never on names: in-process when the prefill instance is
+registered in this process; shared memory when this process sees the token file the
+prefill's arena wrote in /dev/shm (pods of one node each have their own /dev/shm, and
+may share a host name); TCP otherwise.
+"""
 
 from __future__ import annotations
 
 import httpx
 
 from distserve_engine.kv_cache import KVBlob
-from distserve_engine.request import HOSTNAME, KVHandle, TransferStats, now_s
+from distserve_engine.request import KVHandle, TransferStats, now_s
 from distserve_engine.transfer import inprocess, shm, tcp
 
 
@@ -15,14 +21,21 @@ class KVFetcher:
     def __init__(self) -> None:
         self._client = httpx.Client()
         self._arenas = shm.ArenaReader()
+        self._token_to_is_shared: dict[str, bool] = {}  # an arena's token is checked once
 
     def transport_for(self, handle: KVHandle) -> str:
-        """'inprocess', 'shm' or 'tcp', from the handle's process and host."""
+        """'inprocess', 'shm' or 'tcp', from what this process can reach of the handle."""
         if inprocess.can_fetch(handle):
             return "inprocess"
-        if handle.host == HOSTNAME and shm.is_available():
+        if handle.shm_token and self._sees(handle.shm_token):
             return "shm"
         return "tcp"
+
+    def _sees(self, token: str) -> bool:
+        is_shared = self._token_to_is_shared.get(token)
+        if is_shared is None:
+            is_shared = self._token_to_is_shared[token] = shm.sees_token(token)
+        return is_shared
 
     def fetch(self, handle: KVHandle) -> tuple[KVBlob, TransferStats]:
         """Pull the KV (blocking); the prefill instance frees it."""
