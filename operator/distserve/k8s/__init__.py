@@ -2,8 +2,8 @@
 
 Modules: `naming` (names, labels, owner references), `nodes` (cluster shape from the
 Node objects), `workers` and `router` (the builders), `status` and `health` (what the
-status says), `client` (the API), `planning`, `applying` and `reconciling` (the
-steps), `handlers` (kopf).
+status says), `client` (the API), `planning`, `applying`, `reconciling` and
+`monitoring` (the steps), `handlers` (kopf).
 
 ## The contract with the engine image (`python -m distserve_engine.server`)
 
@@ -29,7 +29,9 @@ steps), `handlers` (kopf).
   `distserve.io/draining-since`). The operator deletes them once every old instance's
   `GET /load` shows nothing queued, running or held (not before
   `DISTSERVE_DRAIN_MIN_SECONDS`, default 90, for kubelet to deliver the new file), or
-  at the drain timeout (`DISTSERVE_DRAIN_SECONDS`, default 300).
+  at the drain deadline (`DISTSERVE_DRAIN_SECONDS`, default 300, after the drain
+  starts; `status.drainingSince` and `status.drainDeadline` keep it over a restart).
+  An old revision with no pod left has its objects and router entries removed at once.
 - Pipeline stages: the pods of one instance share the headless Service
   `<name>-<revision>-{p,d}{i}`; stage S is `sS.<service>.<ns>.svc`. Each pod gets
   `DISTSERVE_STAGE`, `DISTSERVE_PIPELINE_STAGES`, `DISTSERVE_TENSOR_PARALLEL`,
@@ -42,5 +44,7 @@ steps), `handlers` (kopf).
   which the engine lets in-flight requests finish for up to 90 s;
   `terminationGracePeriodSeconds` is 120 on workers and router alike.
 - Self-healing: the monitor re-creates any missing object of the applied revision and
-  the router (Event `Recreated`).
+  the router (Event `Recreated`). A cluster with no usable GPU node, or a plan node
+  that is not Ready or is cordoned, makes the phase `Degraded` (condition reason and
+  Event `NodesNotReady`; Event `NodesReady` when it recovers).
 """

@@ -175,6 +175,16 @@ async def delete_labelled(api: ApiClient, namespace: str, labels: dict[str, str]
     return count
 
 
+async def revisions_present(api: ApiClient, owner: naming.Owner) -> set[str]:
+    """Every revision id that an owned object or a router entry still names."""
+    labels = {naming.DEPLOYMENT_LABEL: owner.name}
+    found = {entry.get("revision") for entry in await read_router_instances(api, owner)}
+    for kind in OWNED_KINDS:
+        for obj in await api.list(kind, owner.namespace, labels):
+            found.add(obj["metadata"].get("labels", {}).get(naming.REVISION_LABEL))
+    return {rid for rid in found if rid}
+
+
 async def revisions_running(api: ApiClient, owner: naming.Owner) -> dict[str, list[dict[str, Any]]]:
     """Revision id -> its pods, for every revision of the resource that has pods."""
     revision_to_pods: dict[str, list[dict[str, Any]]] = {}

@@ -1,6 +1,7 @@
 """The kopf handlers: thin, named `<resource>_<event>`; the work is in `reconciling`.
 
-Run with `distserve operator` (or `kopf run -m distserve.k8s.handlers -A`). Each
+Run with `distserve operator` (or `kopf run -m distserve.k8s.handlers -A`); the
+periodic monitor is in `monitoring`. Each
 handler of one resource takes that resource's lock, so a plan being written and the
 periodic monitor never interleave; different resources proceed in parallel (the
 search itself runs in a worker thread).
@@ -15,7 +16,7 @@ from typing import Any
 import kopf
 
 from distserve import spec as specs
-from distserve.k8s import client, naming, reconciling
+from distserve.k8s import client, monitoring, naming, reconciling
 from distserve.k8s.client import ApiClient
 
 RESOURCE = (specs.API_GROUP, specs.API_VERSION, specs.PLURAL)
@@ -83,7 +84,7 @@ async def deployment_approve(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None
 async def deployment_monitor(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Readiness, failing pods, and the rollout's drain-then-delete steps."""
     async with _lock(memo):
-        await reconciling.monitor(memo["api"], body, TIMING)
+        await monitoring.monitor(memo["api"], body, TIMING)
 
 
 @kopf.on.delete(*RESOURCE)

@@ -80,6 +80,26 @@ def cluster_shape(nodes: list[dict[str, Any]], *, is_cpu: bool) -> ClusterShape:
     return ClusterShape(names, gpus, accelerator_of_product(product) if product else None)
 
 
+def node_problems(plan_nodes: set[str], nodes: list[dict[str, Any]], *, is_cpu: bool) -> list[str]:
+    """Why the cluster cannot run a plan now: no usable node at all, or a node the plan
+    placed on that is not Ready, cordoned or without GPUs. Plan nodes that are not Node
+    names (the spec counted nodes without naming them) are judged by the first only."""
+    problems = []
+    if not cluster_shape(nodes, is_cpu=is_cpu).node_names:
+        what = "Ready node" if is_cpu else f"Ready node offering {GPU_RESOURCE}"
+        problems.append(f"no {what} in the cluster")
+    name_to_node = {n["metadata"]["name"]: n for n in nodes}
+    for name in sorted(plan_nodes & set(name_to_node)):
+        node = name_to_node[name]
+        if node.get("spec", {}).get("unschedulable"):
+            problems.append(f"node {name} cordoned")
+        elif not is_usable(node):
+            problems.append(f"node {name} not Ready")
+        elif not is_cpu and node_gpus(node) == 0:
+            problems.append(f"node {name} offers no {GPU_RESOURCE}")
+    return problems
+
+
 def is_cpu_spec(spec: specs.DistServeDeploymentSpec) -> bool:
     """Whether the pods run on the CPU (no GPU requests)."""
     return spec.cluster.accelerator.upper() == "CPU" or spec.engine.device == "cpu"

@@ -44,21 +44,24 @@ def parse(spec: dict[str, Any]) -> specs.DistServeDeploymentSpec:
         raise Unplannable("InvalidSpec", str(exc)) from None
 
 
-async def read_nodes(api: ApiClient) -> list[dict[str, Any]]:
-    """The Node objects, or none when the operator may not read them."""
+async def read_nodes(api: ApiClient) -> list[dict[str, Any]] | None:
+    """The Node objects, or None when the operator may not read them."""
     try:
         return await api.list("Node")
     except ApiError as exc:
         if exc.status in (403, 404):
-            return []
+            return None
         raise
 
 
 async def shape_spec(
-    api: ApiClient, spec: specs.DistServeDeploymentSpec
+    api: ApiClient, spec: specs.DistServeDeploymentSpec,
+    found: list[dict[str, Any]] | None = None,
 ) -> tuple[specs.DistServeDeploymentSpec, frozenset[str]]:
-    """The spec with its cluster shape completed from the Nodes, and the Node names."""
-    found = await read_nodes(api)
+    """The spec with its cluster shape completed from the Nodes (`found`, else read now),
+    and the Node names."""
+    if found is None:
+        found = await read_nodes(api) or []
     known = frozenset(n["metadata"]["name"] for n in found)
     if not nodes.needs_nodes(spec):
         return spec, known

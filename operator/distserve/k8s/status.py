@@ -28,9 +28,22 @@ READY_PHASE = "Ready"
 DEGRADED_PHASE = "Degraded"
 
 
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
 def now_iso() -> str:
     """The current UTC time as Kubernetes writes it."""
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return to_iso(datetime.datetime.now(datetime.timezone.utc))
+
+
+def to_iso(moment: datetime.datetime) -> str:
+    """A UTC time as Kubernetes writes it (whole seconds)."""
+    return moment.astimezone(datetime.timezone.utc).strftime(TIME_FORMAT)
+
+
+def parse_iso(text: str) -> datetime.datetime:
+    """A time written by `to_iso` (or the API server), timezone-aware."""
+    return datetime.datetime.strptime(text, TIME_FORMAT).replace(tzinfo=datetime.timezone.utc)
 
 
 def build_node_assignment(plan: Plan) -> dict[str, list[str]]:
