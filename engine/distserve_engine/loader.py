@@ -4,12 +4,18 @@ Two formats: an HF folder (`config.json`, `*.safetensors`, tokenizer files) and 
 Both stream `(hf_name, tensor)` pairs so a model has one loading path. GGUF tensors are
 dequantized to float32 and renamed to HF names; llama.cpp stores Q and K rows permuted
 for its interleaved rotary, which is undone here so the HF (half-split) rotary applies.
+
+Loading a large checkpoint takes minutes, so progress goes to the log (INFO, logger
+`distserve_engine.loader`): the total at the start, then each file (safetensors) or
+each tenth of the tensors (GGUF) with bytes read and seconds spent.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +27,8 @@ import torch
 from distserve_engine.errors import CheckpointError
 from distserve_engine.model_config import ModelConfig
 
+log = logging.getLogger(__name__)
+GIB = 1 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # GGUF tensor name (with "blk.N." stripped) -> HF name (with "model.layers.N." stripped).
 GGUF_LAYER_TO_HF = {
@@ -54,8 +62,9 @@ class Checkpoint:
         return self.gguf_path is not None
 
 
-def resolve_checkpoint(path: str) -> Checkpoint:
-    """Find the checkpoint at `path`; raise CheckpointError naming any missing file."""
+def resolve_checkpoint(path: str, require_weights: bool = True) -> Checkpoint:
+    """Find the checkpoint at `path`; raise CheckpointError naming any missing file.
+    `require_weights` False: config and tokenizer suffice (a router loads no weights)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"model: path {path!r} does not exist")
@@ -71,7 +80,7 @@ def resolve_checkpoint(path: str) -> Checkpoint:
             raise CheckpointError(f"model: {path!r} holds several .gguf files; name one")
         raise CheckpointError(f"model: {path!r} is missing config.json (and has no .gguf file)")
     missing = []
-    if not list(p.glob("*.safetensors")):
+    if require_weights and not list(p.glob("*.safetensors")):
         missing.append("*.safetensors weights")
     if not any((p / name).exists() for name in TOKENIZER_FILES):
         missing.append("tokenizer files (" + " or ".join(TOKENIZER_FILES) + ")")
@@ -100,16 +109,38 @@ def iter_weights(ckpt: Checkpoint, config: ModelConfig) -> Iterator[tuple[str, t
         yield from _iter_safetensors(ckpt.folder)
 
 
+class LoadProgress:
+    """Logs how much of a checkpoint has been read."""
+
+    def __init__(self, where: Path, total_bytes: int, num_parts: int, unit: str) -> None:
+        self.total_bytes, self.num_parts, self.unit = total_bytes, num_parts, unit
+        self.done_bytes = self.done_parts = 0
+        self.start_s = time.monotonic()
+        log.info("loading weights from %s: %d %s, %.2f GiB", where, num_parts, unit,
+                 total_bytes / GIB)
+
+    def advance(self, nbytes: int, parts: int = 1, name: str = "") -> None:
+        """Count `parts` more read, of `nbytes` bytes; log it."""
+        self.done_bytes += nbytes
+        self.done_parts += parts
+        log.info("loading weights: %d/%d %s%s, %.2f/%.2f GiB, %.0f s", self.done_parts,
+                 self.num_parts, self.unit, f" ({name})" if name else "",
+                 self.done_bytes / GIB, self.total_bytes / GIB, time.monotonic() - self.start_s)
+
+
 def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    for file in sorted(folder.glob("*.safetensors")):
+    files = sorted(folder.glob("*.safetensors"))
+    progress = LoadProgress(folder, sum(f.stat().st_size for f in files), len(files), "files")
+    for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read weights file {file}: {e}") from e
+        progress.advance(file.stat().st_size, name=file.name)
 
 
 @functools.lru_cache(maxsize=2)
@@ -140,18 +171,30 @@ def _iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Ten
     import gguf
 
     reader = _gguf_reader(path)
-    for t in reader.tensors:
+    tensors = list(reader.tensors)
+    progress = LoadProgress(path, sum(int(t.n_bytes) for t in tensors), len(tensors), "tensors")
+    step = max(1, len(tensors) // 10)
+    pending_bytes = 0
+    for index, t in enumerate(tensors, start=1):
         name = _gguf_name_to_hf(t.name)
-        if name is None:
-            continue  # e.g. rope_freqs: recomputed from the config
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(reversed([int(n) for n in t.shape]))  # GGUF lists dims fastest-first
-        weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
-        if name.endswith("q_proj.weight"):
-            weight = unpermute_rotary(weight, config.num_heads)
-        elif name.endswith("k_proj.weight"):
-            weight = unpermute_rotary(weight, config.num_kv_heads)
-        yield name, weight
+        if name is not None:  # None, e.g. rope_freqs: recomputed from the config
+            yield name, _gguf_weight(gguf, t, name, config)
+        pending_bytes += int(t.n_bytes)
+        if index % step == 0 or index == len(tensors):
+            progress.advance(pending_bytes, index - progress.done_parts)
+            pending_bytes = 0
+
+
+def _gguf_weight(gguf: Any, t: Any, name: str, config: ModelConfig) -> torch.Tensor:
+    """One GGUF tensor as a float32 HF weight."""
+    array = gguf.quants.dequantize(t.data, t.tensor_type)
+    shape = tuple(reversed([int(n) for n in t.shape]))  # GGUF lists dims fastest-first
+    weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
+    if name.endswith("q_proj.weight"):
+        return unpermute_rotary(weight, config.num_heads)
+    if name.endswith("k_proj.weight"):
+        return unpermute_rotary(weight, config.num_kv_heads)
+    return weight
 
 
 def _gguf_name_to_hf(name: str) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ from distserve_engine.request import InstanceLoad, ServeRequest, TokenEvent, now
 log = logging.getLogger(__name__)
 
 Sink = Callable[[Any], None]  # receives PrefillOutput / TokenEvent, on the engine thread
+# NOTE: no batch or command takes minutes; one that runs this long is stuck (a hung
+# collective, a wedged device), and `is_live` turns False so the pod is restarted.
+STALL_LIMIT_S = 300.0
 
 
 class InstanceLoop:
@@ -36,12 +40,23 @@ class InstanceLoop:
         self._wake = threading.Condition()
         self._inbox: deque[Callable[[], None]] = deque()
         self._is_stopping = False
+        self._busy_since_s: float | None = None  # monotonic start of the current batch/command
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
     @property
     def is_healthy(self) -> bool:
         """False once a batch failed or the instance was stopped."""
         return self.error is None and not self._is_stopping
+
+    def is_live(self, stall_limit_s: float = STALL_LIMIT_S) -> bool:
+        """False when the instance died, its thread ended unasked, or one batch or command
+        has run longer than `stall_limit_s` (the engine is hung: restart it)."""
+        if self.error is not None:
+            return False
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._is_stopping:
+            return False
+        since = self._busy_since_s
+        return since is None or time.monotonic() - since <= stall_limit_s
 
     def start(self) -> InstanceLoop:
         """Start the engine thread."""
@@ -75,6 +90,7 @@ class InstanceLoop:
                 commands = list(self._inbox)
                 self._inbox.clear()
                 is_stopping = self._is_stopping
+            self._busy_since_s = time.monotonic()
             try:
                 for command in commands:
                     command()
@@ -84,6 +100,8 @@ class InstanceLoop:
                     self.step()
             except Exception as exc:  # a dead batch must not hang its requests
                 self._die(exc)
+            finally:
+                self._busy_since_s = None
             if self.error is not None:
                 self._drain_after_death()
                 return

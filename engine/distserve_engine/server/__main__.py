@@ -35,8 +35,8 @@ Instances on several ranks (tp * pp > 1; see `instance/ranks.py` and `instance/w
   - Kubernetes, one pod per pipeline stage: DISTSERVE_STAGE, DISTSERVE_PIPELINE_STAGES,
     DISTSERVE_TENSOR_PARALLEL, MASTER_ADDR (stage 0's pod), MASTER_PORT. The process is
     rank stage * tp and spawns the stage's other tp ranks (GPU i of the pod each). Stage
-    0 serves the instance; a later stage serves only `GET /health` and exits when rank 0
-    stops or its connection fails.
+    0 serves the instance; a later stage serves only `GET /health` and `GET /livez` and
+    exits when rank 0 stops or its connection fails.
   - One process per rank: WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT (rank 0 serves).
 """
 
@@ -139,7 +139,7 @@ def build_app(args: argparse.Namespace):
 
 
 def _worker_app(runner):
-    """A worker rank's process: replays rank 0's calls in a thread; serves only /health."""
+    """A worker rank's process: replays rank 0's calls in a thread; serves /health, /livez."""
     import threading
 
     from fastapi import FastAPI
@@ -162,6 +162,10 @@ def _worker_app(runner):
     def health() -> dict:
         return {"status": "ok", "rank": runner.parallel.rank}
 
+    @app.get("/livez")
+    def livez() -> dict:  # the process exits when the replay thread ends
+        return {"live": True, "rank": runner.parallel.rank}
+
     thread.start()
     return app
 
@@ -170,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     """Build the app and serve it until SIGINT / SIGTERM (uvicorn handles both)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("distserve_engine").setLevel(logging.INFO)  # weights loading progress
     try:
         app = build_app(args)
     except (ValueError, OSError) as exc:

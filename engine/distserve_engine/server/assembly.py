@@ -127,7 +127,7 @@ def load_tokenizer(settings: ServeSettings) -> tuple[Any, int]:
     from distserve_engine.tokenizer import Tokenizer
 
     config = settings.engine_config()
-    ckpt = resolve_checkpoint(config.model)
+    ckpt = resolve_checkpoint(config.model, require_weights=False)
     model_config = load_model_config(ckpt)
     max_model_len = min(model_config.max_position, config.max_model_len or model_config.max_position)
     return Tokenizer.load(ckpt, model_config.eos_token_ids), max_model_len

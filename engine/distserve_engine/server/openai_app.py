@@ -1,7 +1,8 @@
 """The OpenAI-compatible API in front of the router (FastAPI).
 
 `/v1/completions`, `/v1/chat/completions` (the checkpoint's chat template),
-`/v1/models`, `/health`, `/metrics`, and `/debug/timelines` (recent request
+`/v1/models`, `/health` (503 while no instance can take work), `/livez` (the process
+answers), `/metrics`, and `/debug/timelines` (recent request
 timelines). Streams are server-sent events ending in `data: [DONE]`. Errors use
 OpenAI's format: 400 naming the field for bad input, 404 for another model, 429 or 503
 with `Retry-After` when overloaded, 503 when an instance fails a request. A client that
@@ -182,6 +183,12 @@ def build_openai_app(frontend: Frontend, metrics: Any, on_startup: Any = None,
             if exc.status == 503:
                 return error_response(str(exc), 503, retry_after_s=exc.retry_after_s)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/livez")
+    async def livez() -> dict:
+        # NOTE: the router is alive while it answers; it must not be restarted because
+        # its instances are down (that is /health's 503, a readiness matter).
+        return {"live": True}
 
     @app.get("/metrics")
     async def metrics_text() -> Response:

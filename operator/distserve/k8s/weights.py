@@ -120,16 +120,16 @@ def loading_summary(pods: list[dict[str, Any]]) -> str:
     downloading = loading = 0
     for pod in pods:
         status = pod.get("status") or {}
-        if status.get("phase") != "Pending" and status.get("phase") != "Running":
+        if status.get("phase") not in ("Pending", "Running"):
             continue
         init = {c.get("name"): c for c in status.get("initContainerStatuses") or []}
         fetch = init.get(DOWNLOAD_CONTAINER)
-        if fetch is not None and not (fetch.get("state") or {}).get("terminated"):
+        if fetch is not None and "terminated" not in (fetch.get("state") or {}):
             downloading += 1
             continue
         main = [c for c in status.get("containerStatuses") or []
                 if c.get("name") in ("engine", "router")]
-        if main and (main[0].get("state") or {}).get("running") and not main[0].get("started"):
+        if main and "running" in (main[0].get("state") or {}) and not main[0].get("started"):
             loading += 1
     parts = [f"{n} {what}" for n, what in ((downloading, "downloading weights"),
                                            (loading, "loading weights")) if n]
