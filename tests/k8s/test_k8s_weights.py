@@ -8,7 +8,7 @@ import json
 import pytest
 from k8s_factories import NODES, make_owner, make_revision, make_spec
 
-from distserve.k8s import router, weights, workers
+from distserve.k8s import health, router, weights, workers
 from distserve.spec import SpecError
 
 KNOWN = set(NODES)
@@ -143,3 +143,15 @@ def test_the_summary_counts_pods_downloading_and_loading_weights():
     ]
     assert weights.loading_summary(pods) == "1 downloading weights, 2 loading weights"
     assert weights.loading_summary(pods[3:]) == ""
+
+
+def test_the_monitor_report_says_weights_are_loading_or_their_download_fails():
+    pods = [_pod_status("Pending", init={"running": {}}),
+            _pod_status("Running", main={"state": {"running": {}}, "started": False})]
+    report = health.assess(pods, expected=2, router=None)
+    assert report.summary == ("0/2 worker pods Ready, router 0/1 Ready "
+                              "(1 downloading weights, 1 loading weights)")
+    assert report.problems == ()
+    failing = _pod_status("Pending", init={"waiting": {"reason": "CrashLoopBackOff"}})
+    assert health.assess([failing], expected=1, router=None).problems == (
+        "pod p init container fetch-weights CrashLoopBackOff",)

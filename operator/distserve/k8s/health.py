@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from distserve.k8s import weights
+
 # Container waiting reasons that will not fix themselves.
 _STUCK_REASONS = frozenset({
     "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
@@ -42,6 +44,10 @@ def pod_problem(pod: dict[str, Any]) -> str | None:
     for c in status.get("conditions") or []:
         if c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable":
             return f"pod {name} unschedulable: {c.get('message', '')}"
+    for cs in status.get("initContainerStatuses") or []:  # e.g. a weights download failing
+        reason = ((cs.get("state") or {}).get("waiting") or {}).get("reason")
+        if reason in _STUCK_REASONS:
+            return f"pod {name} init container {cs.get('name')} {reason}"
     for cs in status.get("containerStatuses") or []:
         reason = ((cs.get("state") or {}).get("waiting") or {}).get("reason")
         if reason in _STUCK_REASONS:
@@ -66,5 +72,8 @@ def assess(pods: list[dict[str, Any]], expected: int, router: dict[str, Any] | N
         problems.append(f"{expected - len(pods)} of {expected} worker pods missing")
     router_up, router_wanted = router_ready(router)
     summary = f"{ready}/{expected} worker pods Ready, router {router_up}/{router_wanted} Ready"
+    loading = weights.loading_summary(pods)  # e.g. "2 loading weights": minutes, not a fault
+    if loading:
+        summary += f" ({loading})"
     is_ready = expected > 0 and ready >= expected and router_up >= 1
     return Report(is_ready, tuple(problems), summary)
