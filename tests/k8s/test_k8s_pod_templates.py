@@ -226,3 +226,44 @@ def test_gang_scheduling_groups_instances_of_several_pods():
     _, plain = build_all(make_spec(), plan)
     assert not [o for o in plain if o["kind"] == "PodGroup"]
     assert all("schedulerName" not in o["spec"] for o in plain if o["kind"] == "Pod")
+
+
+class RecordingApi:
+    """Just enough of the API client for deleting revisions: lists what it holds."""
+
+    def __init__(self, objects):
+        self.objects, self.deleted, self.listed = list(objects), [], []
+
+    async def get(self, kind, namespace, name):
+        return None
+
+    async def list(self, kind, namespace, labels):
+        self.listed.append(kind)
+        return [o for o in self.objects if o["kind"] == kind
+                and all(o["metadata"]["labels"].get(k) == v for k, v in labels.items())]
+
+    async def delete(self, kind, namespace, name):
+        self.deleted.append((kind, name))
+        return 1
+
+    async def create(self, obj):
+        return obj
+
+    async def patch(self, *args, **kwargs):
+        return {}
+
+
+@pytest.mark.parametrize("is_gang", [True, False])
+def test_an_old_revisions_pod_groups_are_deleted_with_it(is_gang):
+    import asyncio
+
+    from distserve.k8s import applying
+
+    spec = make_spec(engine={"gangScheduling": {"enabled": is_gang}})
+    revision, objects = build_all(spec, make_plan(prefill=(2, 2, 1)))
+    api = RecordingApi(objects)
+    asyncio.run(applying.delete_revisions(api, revision.owner, spec, {revision.id}))
+    deleted_kinds = {kind for kind, _ in api.deleted}
+    assert ("PodGroup" in deleted_kinds) is is_gang
+    assert ("PodGroup" in api.listed) is is_gang  # without gang scheduling, no RBAC to list them
+    assert {"Pod", "Service", "ConfigMap"} <= deleted_kinds

@@ -162,14 +162,17 @@ async def delete_revisions(api: ApiClient, owner: naming.Owner, spec: specs.Dist
     count = 0
     for old_id in sorted(old_ids):
         labels = {naming.DEPLOYMENT_LABEL: owner.name, naming.REVISION_LABEL: old_id}
-        count += await delete_labelled(api, owner.namespace, labels)
+        # NOTE: PodGroups exist (and the operator may list them) only with gang scheduling.
+        kinds = OWNED_KINDS + (("PodGroup",) if spec.engine.gang_scheduling.enabled else ())
+        count += await delete_labelled(api, owner.namespace, labels, kinds)
     return count
 
 
-async def delete_labelled(api: ApiClient, namespace: str, labels: dict[str, str]) -> int:
-    """Delete every owned object carrying the labels; how many were deleted."""
+async def delete_labelled(api: ApiClient, namespace: str, labels: dict[str, str],
+                          kinds: tuple[str, ...] = OWNED_KINDS) -> int:
+    """Delete every object of `kinds` carrying the labels; how many were deleted."""
     count = 0
-    for kind in OWNED_KINDS:
+    for kind in kinds:
         for obj in await api.list(kind, namespace, labels):
             count += await api.delete(kind, namespace, obj["metadata"]["name"])
     return count
