@@ -35,3 +35,59 @@ app.kubernetes.io/component: operator
 {{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+RBAC rules on namespaced objects: what the operator code and kopf call, verb by verb
+(tests/k8s/test_k8s_rbac.py records every call against the API emulator and checks
+these rules grant each one and nothing more).
+*/}}
+{{- define "distserve.namespacedRules" -}}
+# The custom resources: kopf watches them and patches its annotations and finalizer;
+# the operator reads one before writing its status.
+- apiGroups: ["distserve.io"]
+  resources: ["distservedeployments"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["distserve.io"]
+  resources: ["distservedeployments/status"]
+  verbs: ["patch"]
+# Owned objects carry ownerReferences with blockOwnerDeletion: the API server asks for
+# this where OwnerReferencesPermissionEnforcement is on.
+- apiGroups: ["distserve.io"]
+  resources: ["distservedeployments/finalizers"]
+  verbs: ["update"]
+# What a plan becomes: worker pods, instance and router Services, configs, the router.
+# Created or patched by name, listed by label, deleted when drained; pods are labelled
+# draining.
+- apiGroups: [""]
+  resources: ["pods", "services", "configmaps"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+{{- if .Values.rbac.gangScheduling }}
+# Gang scheduling (spec.engine.gangScheduling): scheduler-plugins' PodGroups.
+- apiGroups: ["scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+{{- end }}
+# Events that say what happened and why (kopf posts them).
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}
+
+{{/* RBAC rules on cluster-scoped objects. */}}
+{{- define "distserve.clusterRules" -}}
+{{- if .Values.rbac.readNodes }}
+# The cluster shape (nodes, GPUs per node, GPU type): listed, never changed.
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["list"]
+{{- end }}
+{{- if not .Values.watchNamespaces }}
+# kopf notices the CRD being installed or removed while it runs (all namespaces only).
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- end }}
+{{- end -}}

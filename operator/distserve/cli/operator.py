@@ -3,6 +3,10 @@
 The Helm chart's operator Deployment runs this command. It watches every namespace
 (or the ones given), needs no peering objects (`--standalone` is the default: the
 chart runs one replica), and serves a liveness endpoint for the kubelet.
+
+With `--namespace`, kopf's runtime observation of Namespaces and CRDs is off: the
+namespaces are exact names, and the chart's namespaced Roles grant nothing
+cluster-wide (charts/distserve/templates/rbac.yaml).
 """
 
 from __future__ import annotations
@@ -24,6 +28,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--verbose", action="store_true", help="debug logging")
 
 
+def operator_settings(namespaces: list[str]):
+    """kopf's settings: no cluster-wide scanning when given namespaces to watch."""
+    import kopf
+
+    settings = kopf.OperatorSettings()
+    settings.scanning.disabled = bool(namespaces)
+    return settings
+
+
 def run(args) -> int:
     """Run until stopped (SIGTERM or SIGINT)."""
     import kopf
@@ -33,6 +46,7 @@ def run(args) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kopf.run(
+        settings=operator_settings(args.namespace),
         standalone=not args.peering,
         clusterwide=not args.namespace,
         namespaces=args.namespace,

@@ -20,7 +20,7 @@ import json
 from typing import Any
 
 from distserve import spec as specs
-from distserve.k8s import naming, pods, weights
+from distserve.k8s import naming, pods, scraping, weights
 from distserve.k8s.workers import (
     SHUTDOWN_TIMEOUT_S,
     TERMINATION_GRACE_S,
@@ -137,7 +137,8 @@ def build_router_deployment_spec(
     pod_spec = pods.apply_pod_options(pod_spec, options)
     labels, annotations = pods.pod_metadata(options, _router_labels(owner), {
         ENGINE_HASH_ANNOTATION: _hash({"engine": spec.engine.model_dump(mode="json"),
-                                       "model": spec.model.model_dump(mode="json")})})
+                                       "model": spec.model.model_dump(mode="json")}),
+        **scraping.scrape_annotations(spec.engine.port)})
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

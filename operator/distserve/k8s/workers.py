@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from distserve.k8s import gang, naming, pods, weights
+from distserve.k8s import gang, naming, pods, scraping, weights
 from distserve.k8s.nodes import GPU_RESOURCE, is_cpu_spec
 from distserve.local.settings import serve_settings
 from distserve.plan import SegmentPlacement
@@ -231,6 +231,7 @@ def build_worker_pod_spec(revision: naming.Revision, segment: SegmentPlacement, 
     annotations = {
         naming.PLANNED_NODE_ANNOTATION: segment.node,
         naming.GPU_IDS_ANNOTATION: ",".join(str(g) for g in segment.gpu_ids),
+        **scraping.scrape_annotations(revision.spec.engine.port),
     }
     labels, annotations = pods.pod_metadata(options, labels, annotations)
     name = naming.pod_name(revision, role, instance, stage)
