@@ -55,6 +55,9 @@ status says), `client` (the API), `planning`, `applying`, `reconciling` and
   `GET /health` on port P. Shutdown: a preStop `sleep 5`, then SIGTERM, after
   which the engine lets in-flight requests finish for up to 90 s;
   `terminationGracePeriodSeconds` is 120 on workers and router alike.
+- Metrics: Prometheus text at `GET /metrics` on port P (`http`); every worker and
+  router pod is annotated `prometheus.io/scrape: "true"`, `prometheus.io/port: P`,
+  `prometheus.io/path: /metrics` (`scraping`).
 - Self-healing: the monitor re-creates any missing object of the applied revision and
   the router (Event `Recreated`). A cluster with no usable GPU node, or a plan node
   that is not Ready or is cordoned, makes the phase `Degraded` (condition reason and
