@@ -128,11 +128,6 @@ class ModelConfig:
         except KeyError as e:
             raise CheckpointError(f"GGUF metadata: missing key {e.args[0]!r}") from e
 
-    @property
-    def kv_elements_per_token(self) -> int:
-        """Elements of K plus V per token across all layers (times dtype size = bytes)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 def _as_list(value: Any) -> list[int]:
     if value is None:

@@ -1,39 +1,35 @@
-"""The router: which instance gets a request, health, overload, and the request's timeline.
+"""The router: a request's way through the instances, admission, peers and timelines.
 
-DistServe section 4.3: a new request goes to the prefill instance with the shortest
-queue (in prompt tokens not yet prefilled), and once prefilled to the least loaded
-decode instance (fewest requests); with colocated instances (the baseline) to the one
-with the fewest outstanding tokens. The router counts what it has sent and not yet got
-back, so dispatch needs no round trip. It polls every instance's load for health and
-for the gauges; an instance that fails a request is checked at once, and while it is
-unhealthy it gets nothing. Admission refuses a request with 503 when a phase has no
-healthy instance, and with 429 when too many requests wait for their first token.
+Dispatch follows DistServe section 4.3 (`dispatch.py`: shortest prefill queue, least
+loaded decode instance, preferring the prefill's node); health comes from polling every
+instance's load (`health.py`), and an instance that fails a request is checked at once,
+so while it is unhealthy it gets nothing. The router counts what it has sent and not yet
+got back, so dispatch needs no round trip. Admission refuses a request with 503 when a
+phase has no healthy instance, and with 429 when too many requests wait for their first
+token.
 
 Peers change at run time (`set_peers`, fed by `server/peers.py` from the settings file):
 a new instance is added at once; one no longer listed, or listed as draining, gets no
-new request while its in-flight ones finish, and is dropped once idle. A prefilled
-request prefers a decode instance on its prefill instance's node (Algorithm 2 places
-them so KV moves over the node's fast link), and goes elsewhere when none there has room.
+new request while its in-flight ones finish, and is dropped once idle.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-from distserve_engine.instance.client import InstanceError
+from distserve_engine.dispatch import Slot, pick_decode, pick_prefill
+from distserve_engine.health import HealthPoller
+from distserve_engine.interface import InstanceClient, InstanceError
 from distserve_engine.request import ServeRequest, TokenEvent, now_s
 from distserve_engine.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait
-DECODE_KV_FULL = 0.9  # a decode instance at this KV usage has no room for another request
 ROLES = ("prefill", "decode", "colocated")
 TIMELINE_HISTORY = 2000  # finished timelines kept for /debug/timelines
 
@@ -47,41 +43,11 @@ class Overloaded(Exception):
         self.retry_after_s = retry_after_s
 
 
-@dataclass
-class Slot:
-    """One instance as the router tracks it."""
-
-    client: Any
-    num_outstanding: int = 0  # requests sent and not finished on it
-    num_outstanding_tokens: int = 0  # their prompt tokens
-    is_healthy: bool = True
-    error: str | None = None
-    is_draining: bool = False  # no new request; in-flight ones finish
-    kv_usage: float = 0.0  # from the last load poll
-
-    @property
-    def node(self) -> str | None:
-        """The node the instance runs on (None: unknown, e.g. in one process)."""
-        return getattr(self.client, "node", None)
-
-    @property
-    def can_take(self) -> bool:
-        """Whether a new request may go here."""
-        return self.is_healthy and not self.is_draining
-
-    def take(self, num_tokens: int) -> None:
-        self.num_outstanding += 1
-        self.num_outstanding_tokens += num_tokens
-
-    def give_back(self, num_tokens: int) -> None:
-        self.num_outstanding -= 1
-        self.num_outstanding_tokens -= num_tokens
-
-
 class Router:
     """Dispatches requests over prefill + decode instances, or colocated ones."""
 
-    def __init__(self, prefill: list[Any], decode: list[Any], colocated: list[Any] = (), *,
+    def __init__(self, prefill: list[InstanceClient], decode: list[InstanceClient],
+                 colocated: list[InstanceClient] = (), *,
                  metrics: Any = None, max_waiting_requests: int = 256,
                  ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
                  health_interval_s: float = 0.5, max_decode_batch: int | None = None) -> None:
@@ -95,11 +61,12 @@ class Router:
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self.ttft_slo_s, self.tpot_slo_s = ttft_slo_s, tpot_slo_s
-        self.health_interval_s = health_interval_s
         self.max_decode_batch = max_decode_batch  # a decode instance with this many has no room
         self.num_waiting = 0  # admitted, first token not yet out (or not yet decoding)
         self.timelines: deque[Timeline] = deque(maxlen=TIMELINE_HISTORY)
-        self._poller: asyncio.Task | None = None
+        self.health = HealthPoller(lambda: self.slots, health_interval_s,
+                                   on_load=metrics.set_load if metrics is not None else None,
+                                   after_poll=self._retire_idle)
 
     @property
     def slots(self) -> list[Slot]:
@@ -108,24 +75,19 @@ class Router:
 
     async def start(self) -> None:
         """Start polling the instances' loads."""
-        await self.poll()
-        self._poller = asyncio.create_task(self._poll_forever())
+        await self.health.start()
 
     async def stop(self) -> None:
         """Stop polling and close the clients."""
-        if self._poller:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        await self.health.stop()
         for slot in self.slots:
             await slot.client.close()
 
     async def poll(self) -> None:
         """Read every instance's load once; mark the unreachable ones unhealthy."""
-        await asyncio.gather(*(self._check(slot) for slot in self.slots))
-        await self._retire_idle()
+        await self.health.poll()
 
-    def set_peers(self, role_to_clients: dict[str, list[Any]]) -> None:
+    def set_peers(self, role_to_clients: dict[str, list[InstanceClient]]) -> None:
         """Adopt a new peer list: add new instances, drain those not listed (or draining).
 
         A client is matched to a known instance by name and URL; a client with
@@ -133,20 +95,20 @@ class Router:
         """
         for role in ROLES:
             slots = getattr(self, role)
-            name_to_slot = {(s.client.name, getattr(s.client, "url", None)): s for s in slots}
+            name_to_slot = {(s.client.name, s.client.url): s for s in slots}
             listed = set()
             for client in role_to_clients.get(role, []):
-                key = (client.name, getattr(client, "url", None))
+                key = (client.name, client.url)
                 listed.add(key)
                 slot = name_to_slot.get(key)
                 if slot is None:
                     slot = Slot(client)
                     slots.append(slot)
-                    asyncio.ensure_future(self._check(slot))
+                    asyncio.ensure_future(self.health.check(slot))
                 elif slot.client is not client:
-                    slot.client.node = getattr(client, "node", None)
+                    slot.client.node = client.node
                     asyncio.ensure_future(client.close())
-                slot.is_draining = bool(getattr(client, "is_draining", False))
+                slot.is_draining = client.is_draining
             for key, slot in name_to_slot.items():
                 if key not in listed and not slot.is_draining:
                     log.info("router: %s draining", key[0])
@@ -162,22 +124,6 @@ class Router:
                 log.info("router: %s drained, removed", slot.client.name)
                 await slot.client.close()
 
-    async def _poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.health_interval_s)
-            await self.poll()
-
-    async def _check(self, slot: Slot) -> None:
-        try:
-            load = await slot.client.load()
-        except InstanceError as exc:
-            slot.is_healthy, slot.error = False, str(exc)
-            return
-        slot.is_healthy, slot.error = load.is_healthy, load.error
-        slot.kv_usage = load.kv_usage
-        if self.metrics is not None:
-            self.metrics.set_load(load)
-
     def admit(self) -> None:
         """Raise Overloaded when the request cannot be taken now."""
         roles = (("colocated", self.colocated),) if self.colocated else (
@@ -188,27 +134,6 @@ class Router:
         if self.num_waiting >= self.max_waiting_requests:
             raise Overloaded(429, f"{self.num_waiting} requests already wait for their first "
                                   f"token (limit {self.max_waiting_requests}); retry later")
-
-    def _pick(self, slots: list[Slot], role: str) -> Slot:
-        healthy = [s for s in slots if s.can_take]
-        if not healthy:
-            raise InstanceError(f"no healthy {role} instance")
-        return min(healthy, key=lambda s: (s.num_outstanding_tokens, s.num_outstanding))
-
-    def _has_room(self, slot: Slot) -> bool:
-        """Whether a decode instance can take one more request now."""
-        is_batch_full = self.max_decode_batch is not None and slot.num_outstanding >= self.max_decode_batch
-        return slot.kv_usage < DECODE_KV_FULL and not is_batch_full
-
-    def _pick_decode(self, prefill: Slot) -> Slot:
-        """The least loaded decode instance on the prefill instance's node with room,
-        else the least loaded one anywhere."""
-        healthy = [s for s in self.decode if s.can_take]
-        if not healthy:
-            raise InstanceError("no healthy decode instance")
-        roomy = [s for s in healthy if self._has_room(s)]
-        local = [s for s in roomy if s.node == prefill.node]
-        return min(local or roomy or healthy, key=lambda s: (s.num_outstanding, s.kv_usage))
 
     async def generate(self, request: ServeRequest) -> AsyncIterator[TokenEvent]:
         """Run one request; yield its token events (the first carries the first token)."""
@@ -239,7 +164,7 @@ class Router:
 
     async def _disaggregated(self, request: ServeRequest, timeline: Timeline) -> AsyncIterator[TokenEvent]:
         rid, n = request.request_id, request.num_prompt_tokens
-        prefill = self._pick(self.prefill, "prefill")
+        prefill = pick_prefill(self.prefill)
         timeline.prefill_instance = prefill.client.name
         decode: Slot | None = None
         is_done = False
@@ -257,7 +182,7 @@ class Router:
             yield first
             if is_done:
                 return
-            decode = self._pick_decode(prefill)
+            decode = pick_decode(self.decode, prefill.node, self.max_decode_batch)
             timeline.decode_instance = decode.client.name
             decode.take(n)
             try:
@@ -271,7 +196,7 @@ class Router:
                 decode.give_back(n)
         except InstanceError as exc:
             is_done = True
-            await self._recheck(prefill, decode)
+            await self.health.check(prefill, decode)
             yield TokenEvent(rid, [], now_s(), error=str(exc))
         finally:
             if not is_done:  # the client left: free the KV wherever it is
@@ -281,7 +206,7 @@ class Router:
 
     async def _colocated(self, request: ServeRequest, timeline: Timeline) -> AsyncIterator[TokenEvent]:
         rid, n = request.request_id, request.num_prompt_tokens
-        slot = self._pick(self.colocated, "colocated")
+        slot = pick_prefill(self.colocated, "colocated")
         timeline.prefill_instance = timeline.decode_instance = slot.client.name
         is_done = False
         slot.take(n)
@@ -293,13 +218,9 @@ class Router:
                 yield event
         except InstanceError as exc:
             is_done = True
-            await self._recheck(slot)
+            await self.health.check(slot)
             yield TokenEvent(rid, [], now_s(), error=str(exc))
         finally:
             slot.give_back(n)
             if not is_done:
                 asyncio.ensure_future(slot.client.cancel(rid))
-
-    async def _recheck(self, *slots: Slot | None) -> None:
-        """After a failure: poll the instances involved so a dead one stops getting work."""
-        await asyncio.gather(*(self._check(s) for s in slots if s is not None))

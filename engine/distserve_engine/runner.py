@@ -92,6 +92,11 @@ class ModelRunner:
         """Bytes of K and V one token takes in this rank's cache."""
         return self.kv_cache.shape.bytes_per_block // self.config.block_size
 
+    @property
+    def kv_capacity_bytes(self) -> int:
+        """Bytes of KV this rank's cache holds."""
+        return self.kv_cache.nbytes
+
     def can_allocate(self, num_tokens: int) -> bool:
         """True when a new sequence of num_tokens tokens fits in the free KV blocks."""
         return self.block_manager.can_allocate(num_tokens)

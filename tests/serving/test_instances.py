@@ -13,7 +13,7 @@ from distserve_engine.instance.client import LocalInstanceClient
 from distserve_engine.instance.colocated import ColocatedInstance
 from distserve_engine.instance.decode import DecodeInstance
 from distserve_engine.instance.prefill import PrefillInstance
-from distserve_engine.request import InstanceLoad, ServeRequest
+from distserve_engine.request import ServeRequest
 from distserve_engine.router import Router
 from distserve_engine.runner import ModelRunner
 from distserve_engine.sampling import SamplingParams
@@ -124,29 +124,3 @@ def test_dead_prefill_instance_fails_its_requests_and_router_avoids_it(tiny_llam
             inprocess.unregister(instance)
 
 
-class FakeClient:
-    """An instance that records what it was sent and answers nothing."""
-
-    def __init__(self, name: str, role: str) -> None:
-        self.name, self.role = name, role
-
-    async def load(self) -> InstanceLoad:
-        return InstanceLoad(self.name, self.role)
-
-    async def close(self) -> None:
-        pass
-
-
-def test_router_picks_shortest_prefill_queue_and_least_loaded_decode():
-    router = Router([FakeClient("p0", "prefill"), FakeClient("p1", "prefill")],
-                    [FakeClient("d0", "decode"), FakeClient("d1", "decode")])
-    router.prefill[0].take(500)
-    router.prefill[1].take(100)
-    router.prefill[1].take(100)
-    assert router._pick(router.prefill, "prefill").client.name == "p1"  # fewer queued tokens
-    router.decode[0].take(10)
-    router.decode[0].take(10)
-    router.decode[1].take(1000)
-    assert router._pick_decode(router.prefill[0]).client.name == "d1"  # fewer requests
-    router.decode[1].is_healthy = False
-    assert router._pick_decode(router.prefill[0]).client.name == "d0"  # never an unhealthy one

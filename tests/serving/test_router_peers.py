@@ -91,29 +91,13 @@ class FakeClient:
 
     def __init__(self, name: str, role: str, node: str | None = None) -> None:
         self.name, self.role, self.node = name, role, node
+        self.url, self.is_draining = None, False
 
     async def load(self) -> InstanceLoad:
         return InstanceLoad(self.name, self.role)
 
     async def close(self) -> None:
         pass
-
-
-def test_decode_prefers_the_prefill_instance_node_while_it_has_room():
-    router = Router([FakeClient("p-a", "prefill", "node-a")],
-                    [FakeClient("d-b", "decode", "node-b"), FakeClient("d-a", "decode", "node-a")],
-                    max_decode_batch=3)
-    prefill, remote, local = router.prefill[0], *router.decode
-    local.take(10)
-    local.take(10)
-    assert router._pick_decode(prefill) is local  # busier, but on the prefill's node
-    local.take(10)
-    assert router._pick_decode(prefill) is remote  # its batch is full
-    local.give_back(10)
-    local.kv_usage = 0.95
-    assert router._pick_decode(prefill) is remote  # its KV is full
-    remote.is_healthy = False
-    assert router._pick_decode(prefill) is local  # anything healthy beats nothing
 
 
 def test_draining_peers_get_no_new_requests_and_admission_follows():

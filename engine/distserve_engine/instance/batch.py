@@ -11,9 +11,9 @@ already promised to the running requests, and the batch is below its maximum siz
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from distserve_engine.instance.loop import Sink
+from distserve_engine.interface import Runner
 from distserve_engine.request import ServeRequest, TokenEvent, TransferStats, now_s
 from distserve_engine.sequence import Sequence
 
@@ -25,7 +25,6 @@ class Running:
     request: ServeRequest
     seq: Sequence
     sink: Sink
-    reserved_blocks: int
     queued_s: float
     started_s: float
     transfer: TransferStats | None = None
@@ -76,7 +75,7 @@ class Admission:
 class DecodeBatch:
     """The requests being decoded together, stepped one token at a time."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self.running: dict[str, Running] = {}
 

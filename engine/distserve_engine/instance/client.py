@@ -1,6 +1,6 @@
 """How the router talks to an instance: in the same process, or over HTTP.
 
-Both clients offer the same async methods, so the router never knows where an
+Both clients implement `interface.InstanceClient`, so the router never knows where an
 instance runs: `prefill` (one PrefillOutput), `decode` and `generate` (a stream of
 TokenEvents), `cancel`, and `load`. A failure of the instance (an error event, a
 refused connection, a broken stream) surfaces as `InstanceError`, at once.
@@ -15,13 +15,12 @@ from typing import Any
 
 import httpx
 
+from distserve_engine.interface import InstanceError
 from distserve_engine.request import InstanceLoad, PrefillOutput, ServeRequest, TokenEvent
 
 CONNECT_TIMEOUT_S = 5.0
 
-
-class InstanceError(RuntimeError):
-    """The instance failed this request (it died, or refused it)."""
+__all__ = ["HttpInstanceClient", "InstanceError", "LocalInstanceClient"]
 
 
 def _check(event: Any) -> Any:
@@ -35,8 +34,11 @@ class LocalInstanceClient:
 
     def __init__(self, instance: Any) -> None:
         self.instance = instance
-        self.name = instance.name
-        self.role = instance.role
+        self.name: str = instance.name
+        self.role: str = instance.role
+        self.url: str | None = None
+        self.node: str | None = None
+        self.is_draining = False
 
     def _sink(self, queue: asyncio.Queue) -> Any:
         loop = asyncio.get_running_loop()

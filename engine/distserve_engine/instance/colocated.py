@@ -12,10 +12,9 @@ interference DistServe removes. Admission reserves KV like the decode instance.
 
 from __future__ import annotations
 
-from typing import Any
-
 from distserve_engine.instance.batch import Admission, DecodeBatch, Running
 from distserve_engine.instance.loop import PromptQueueLoop, Waiting
+from distserve_engine.interface import Runner
 from distserve_engine.request import InstanceLoad, TokenEvent, now_s
 from distserve_engine.sequence import Sequence
 
@@ -26,7 +25,7 @@ class ColocatedInstance(PromptQueueLoop):
     role = "colocated"
 
     def __init__(
-        self, name: str, runner: Any, max_prefill_tokens: int, max_batch_size: int
+        self, name: str, runner: Runner, max_prefill_tokens: int, max_batch_size: int
     ) -> None:
         super().__init__(name, runner)
         self.max_prefill_tokens = max_prefill_tokens
@@ -72,7 +71,6 @@ class ColocatedInstance(PromptQueueLoop):
                 request=item.request,
                 seq=seq,
                 sink=item.sink,
-                reserved_blocks=self.admission.blocks_for(item.request),
                 queued_s=item.queued_s,
                 started_s=started_s,
             )

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from distserve_engine.instance.batch import Admission, DecodeBatch, Running
 from distserve_engine.instance.loop import InstanceLoop, Sink
+from distserve_engine.interface import Runner
 from distserve_engine.kv_cache import KVBlob
 from distserve_engine.request import (
     InstanceLoad,
@@ -27,6 +27,7 @@ from distserve_engine.request import (
     now_s,
 )
 from distserve_engine.sequence import Sequence
+from distserve_engine.transfer import KVFetcher
 
 NUM_TRANSFER_THREADS = 2  # concurrent pulls; more would only share the same link
 
@@ -45,9 +46,9 @@ class DecodeInstance(InstanceLoop):
 
     role = "decode"
 
-    def __init__(self, name: str, runner: Any, fetcher: Any, max_batch_size: int) -> None:
+    def __init__(self, name: str, runner: Runner, fetcher: KVFetcher, max_batch_size: int) -> None:
         super().__init__(name, runner)
-        self.fetcher = fetcher  # .fetch(KVHandle) -> (KVBlob, TransferStats), blocking
+        self.fetcher = fetcher  # pulls run on this instance's transfer threads
         self.batch = DecodeBatch(runner)
         self.admission = Admission(
             num_blocks=runner.block_manager.num_blocks,
@@ -130,7 +131,6 @@ class DecodeInstance(InstanceLoop):
                     request=incoming.request,
                     seq=seq,
                     sink=incoming.sink,
-                    reserved_blocks=self.admission.blocks_for(incoming.request),
                     queued_s=incoming.queued_s,
                     started_s=now_s(),
                     transfer=stats,

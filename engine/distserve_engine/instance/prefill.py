@@ -12,9 +12,9 @@ pushing KV onto a decode instance that has no room.
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from distserve_engine.instance.loop import PromptQueueLoop, Waiting
+from distserve_engine.interface import Runner
 from distserve_engine.kv_cache import KVBlob
 from distserve_engine.request import (
     InstanceLoad,
@@ -32,7 +32,7 @@ class PrefillInstance(PromptQueueLoop):
     role = "prefill"
 
     def __init__(
-        self, name: str, runner: Any, max_prefill_tokens: int, url: str = ""
+        self, name: str, runner: Runner, max_prefill_tokens: int, url: str = ""
     ) -> None:
         super().__init__(name, runner)
         self.max_prefill_tokens = max_prefill_tokens  # Lm

@@ -48,12 +48,74 @@ PR_SET_PDEATHSIG = 1  # prctl option: a signal when the parent process dies
 
 @dataclass
 class Call:
-    """One runner call, sent from rank 0 to every worker before rank 0 runs it."""
+    """One runner call, sent from rank 0 to every worker before rank 0 runs it.
 
-    op: str  # "prefill" | "decode" | "free" | "export_kv" | "import_kv" | "stop"
-    seqs: list[Sequence] = field(default_factory=list)  # as they are before the call
-    num_free_blocks: int = 0  # rank 0's, before the call; a worker's must be equal
-    num_tokens: int = 0  # import_kv: tokens in the blob
+    Each kind of call is a subclass that replays itself on a worker rank (`replay`):
+    the worker loop dispatches on the type, never on a name.
+    """
+
+    num_free_blocks: int = field(default=0, kw_only=True)  # rank 0's, before the call
+
+    def replay(self, runner: ModelRunner, group: Any) -> None:
+        """Run this call on a worker rank (its part of the collective, if any)."""
+        raise NotImplementedError
+
+
+@dataclass
+class Prefill(Call):
+    seqs: list[Sequence]  # as they are before the call
+
+    def replay(self, runner: ModelRunner, group: Any) -> None:
+        runner.prefill(self.seqs)
+
+
+@dataclass
+class Decode(Call):
+    seqs: list[Sequence]
+
+    def replay(self, runner: ModelRunner, group: Any) -> None:
+        runner.decode(self.seqs)
+
+
+@dataclass
+class Free(Call):
+    seq: Sequence
+
+    def replay(self, runner: ModelRunner, group: Any) -> None:
+        runner.free(self.seq)
+
+
+@dataclass
+class ExportKV(Call):
+    """Every worker sends its layers and heads of the sequence's KV to rank 0."""
+
+    seq: Sequence
+
+    def replay(self, runner: ModelRunner, group: Any) -> None:
+        blob = runner.export_kv(self.seq)
+        for tensor in (blob.k, blob.v):
+            dist.send(tensor.cpu().contiguous(), dst=0, group=group)
+
+
+@dataclass
+class ImportKV(Call):
+    """Every worker receives its layers and heads of a pulled blob from rank 0."""
+
+    seq: Sequence
+    num_tokens: int  # tokens in the blob
+
+    def replay(self, runner: ModelRunner, group: Any) -> None:
+        s = runner.kv_cache.shape
+        parts = [torch.empty((s.num_layers, self.num_tokens, s.num_kv_heads, s.head_dim),
+                             dtype=s.dtype) for _ in range(2)]  # K, V: (L_rank, n, Hkv_rank, D)
+        for part in parts:
+            dist.recv(part, src=0, group=group)
+        runner.import_kv(self.seq, KVBlob(k=parts[0], v=parts[1], num_tokens=self.num_tokens))
+
+
+@dataclass
+class Stop(Call):
+    """The instance stops: the worker loop ends."""
 
 
 def join(config: EngineConfig, rank: int) -> tuple[ModelRunner, Any]:
@@ -81,8 +143,34 @@ class DriverRunner:
         self._kv_heads = m.num_kv_heads // cfg.tp  # per rank
         self._num_layers = m.num_layers
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.runner, name)  # tokenizer, config, block_manager, check_stop, ...
+    @property
+    def config(self) -> EngineConfig:
+        """The engine settings (tp and pp of the whole instance)."""
+        return self.runner.config
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer."""
+        return self.runner.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence the cache accepts."""
+        return self.runner.max_model_len
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """Rank 0's block manager; every rank's sees the same calls, so they are equal."""
+        return self.runner.block_manager
+
+    @property
+    def kv_capacity_bytes(self) -> int:
+        """Bytes of KV the whole instance's cache holds, over all ranks."""
+        return self.block_manager.num_blocks * self.config.block_size * self.kv_bytes_per_token
+
+    def check_stop(self, seq: Sequence) -> str:
+        """Stop checks run on rank 0 only: they read tokens, not the model."""
+        return self.runner.check_stop(seq)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -94,25 +182,25 @@ class DriverRunner:
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Prefill on every rank; the sampled tokens."""
         with self._lock:
-            self._send(Call("prefill", seqs))
+            self._send(Prefill(seqs))
             return self.runner.prefill(seqs)
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """One decode step on every rank; the sampled tokens."""
         with self._lock:
-            self._send(Call("decode", seqs))
+            self._send(Decode(seqs))
             return self.runner.decode(seqs)
 
     def free(self, seq: Sequence) -> None:
         """Free the sequence's blocks on every rank."""
         with self._lock:
-            self._send(Call("free", [seq]))
+            self._send(Free(seq))
             self.runner.free(seq)
 
     def export_kv(self, seq: Sequence) -> KVBlob:
         """The sequence's KV over all layers and heads, gathered to rank 0."""
         with self._lock:
-            self._send(Call("export_kv", [seq]))
+            self._send(ExportKV(seq))
             own = self.runner.export_kv(seq)
             n = own.num_tokens
             full = [own.k.new_empty(self._full_shape(n)) for _ in range(2)]  # K, V
@@ -131,7 +219,7 @@ class DriverRunner:
             raise EngineError(f"import_kv: blob shape {tuple(blob.k.shape)} does not match "
                               f"this instance's {expected}")
         with self._lock:
-            self._send(Call("import_kv", [seq], num_tokens=blob.num_tokens))
+            self._send(ImportKV(seq, blob.num_tokens))
             for state in self._rank_states[1:]:
                 for tensor in (blob.k, blob.v):
                     dist.send(tensor[self._index(state)].cpu().contiguous(), dst=state.rank,
@@ -143,7 +231,7 @@ class DriverRunner:
     def stop(self) -> None:
         """End the worker ranks' loops."""
         with self._lock:
-            self._send(Call("stop"))
+            self._send(Stop())
         for proc in self.workers:
             proc.join(timeout=10)
 
@@ -172,35 +260,15 @@ def serve_worker(runner: ModelRunner, group: Any) -> None:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=group)
         call: Call = box[0]
-        if call.op == "stop":
+        if isinstance(call, Stop):
             return
         if runner.block_manager.num_free_blocks != call.num_free_blocks:
             raise EngineError(f"rank {runner.parallel.rank}: {runner.block_manager.num_free_blocks} "
                               f"free KV blocks, rank 0 has {call.num_free_blocks}")
         try:
-            _execute(runner, group, call)
+            call.replay(runner, group)
         except EngineError:  # bad input: rank 0 raised the same error before any collective
-            log.warning("rank %d: %s failed", runner.parallel.rank, call.op, exc_info=True)
-
-
-def _execute(runner: ModelRunner, group: Any, call: Call) -> None:
-    if call.op in ("prefill", "decode"):
-        getattr(runner, call.op)(call.seqs)
-    elif call.op == "free":
-        runner.free(call.seqs[0])
-    elif call.op == "export_kv":
-        blob = runner.export_kv(call.seqs[0])
-        for tensor in (blob.k, blob.v):
-            dist.send(tensor.cpu().contiguous(), dst=0, group=group)
-    elif call.op == "import_kv":
-        s = runner.kv_cache.shape
-        parts = [torch.empty((s.num_layers, call.num_tokens, s.num_kv_heads, s.head_dim),
-                             dtype=s.dtype) for _ in range(2)]
-        for part in parts:
-            dist.recv(part, src=0, group=group)
-        runner.import_kv(call.seqs[0], KVBlob(k=parts[0], v=parts[1], num_tokens=call.num_tokens))
-    else:
-        raise RuntimeError(f"unknown call {call.op!r}")
+            log.warning("rank %d: %s failed", runner.parallel.rank, type(call).__name__, exc_info=True)
 
 
 def start_ranks(layout: RankLayout, config: EngineConfig, cores: list[int] | None = None
