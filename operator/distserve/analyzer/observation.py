@@ -1,0 +1,63 @@
+"""What the workload analyzer saw in one window: the contract between observing and deciding.
+
+`observe.py` fills an `Observation` from Prometheus (never from the pods); `decide.py`
+turns it, the current plan and the spec into keep-or-replan. Every figure is over the
+window `[end_s - window_s, end_s]`; a figure that could not be measured is None, and
+`num_requests` below the spec's minimum means no decision is made on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LengthFit:
+    """A length distribution fitted to a histogram's binned counts (tokens)."""
+
+    family: str  # the scipy.stats family chosen, e.g. "lognorm"
+    params: tuple[float, ...]  # its parameters, as scipy.stats takes them
+    mean_tokens: float
+    p50_tokens: float
+    p90_tokens: float
+    bucket_upper_tokens: tuple[float, ...]  # the histogram's upper bounds (le), +Inf last
+    bucket_counts: tuple[float, ...]  # requests per bucket in the window (not cumulative)
+
+    def sample(self, num: int, rng: np.random.Generator, max_tokens: int | None = None) -> np.ndarray:
+        """`num` lengths drawn from the fit (at least 1, at most `max_tokens`), for the simulator."""
+        import scipy.stats
+
+        values = getattr(scipy.stats, self.family).rvs(*self.params, size=num, random_state=rng)
+        values = np.maximum(1, np.rint(values)).astype(np.int64)
+        return np.minimum(values, max_tokens) if max_tokens else values
+
+
+@dataclass(frozen=True)
+class PhaseObservation:
+    """One phase's health over the window (prefill or decode)."""
+
+    queue_time_p90_s: float | None = None
+    kv_usage_mean: float | None = None  # share of KV blocks in use, mean over instances
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The traffic and the service it got over one window."""
+
+    end_s: float  # unix time the window ends
+    window_s: float
+    num_requests: int  # arrivals in the window, refused ones included
+    arrival_rate_rps: float
+    arrival_cv: float | None  # burstiness: the gaps' CV from sub-window counts (Var/mean of counts ~ CV^2)
+    prompt: LengthFit | None
+    output: LengthFit | None
+    ttft_attainment: float | None = None  # share of finished requests within the TTFT SLO
+    tpot_attainment: float | None = None
+    attainment: float | None = None  # both SLOs (the plan's rule)
+    ttft_p90_s: float | None = None
+    tpot_p90_s: float | None = None
+    num_refused: int = 0
+    phases: dict[str, PhaseObservation] = field(default_factory=dict)  # "prefill", "decode"
+    plan_id: str | None = None  # the plan the deployment served under (distserve_plan_info)
