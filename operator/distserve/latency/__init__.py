@@ -28,6 +28,7 @@ from distserve.catalog import Accelerator, ModelArch, get_accelerator, get_model
 from distserve.latency.analytic import AnalyticLatencyModel
 from distserve.latency.base import LatencyModel
 from distserve.latency.capacity import kv_capacity_tokens, weights_fit
+from distserve.latency.corrected import Correction, corrected
 from distserve.latency.profile import (
     ENGINES,
     LatencyProfile,
@@ -172,11 +173,13 @@ def prefill_saturation_tokens(latency_model: LatencyModel) -> int:
 
 __all__ = [
     "AnalyticLatencyModel",
+    "Correction",
     "LatencyModel",
     "LatencyProfile",
     "ProfileLatencyModel",
     "SourceChoice",
     "choose_source",
+    "corrected",
     "default_profile",
     "get_latency_model",
     "kv_capacity_tokens",

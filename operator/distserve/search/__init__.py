@@ -6,6 +6,20 @@ raises `NoFeasiblePlan`.
 """
 
 from distserve.search.goodput import Goodput, find_goodput
-from distserve.search.planner import NoFeasiblePlan, build_context, plan_deployment, resolve_cluster
+from distserve.search.planner import (
+    NoFeasiblePlan,
+    SearchOverrides,
+    build_context,
+    plan_deployment,
+    resolve_cluster,
+)
 
-__all__ = ["Goodput", "NoFeasiblePlan", "build_context", "find_goodput", "plan_deployment", "resolve_cluster"]
+__all__ = [
+    "Goodput",
+    "NoFeasiblePlan",
+    "SearchOverrides",
+    "build_context",
+    "find_goodput",
+    "plan_deployment",
+    "resolve_cluster",
+]

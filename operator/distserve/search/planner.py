@@ -4,6 +4,8 @@ It resolves what the spec leaves to the live cluster (node names, GPUs per node)
 samples the workload once, runs Algorithm 1 or 2 (or simulates a fixed placement),
 replicates the chosen unit for `workload.rateRps`, pins every segment to GPUs, and
 adds the best colocated and chunked-prefill baselines on the same number of GPUs.
+A replan searches the same way on what was observed (`SearchOverrides`: the observed
+workload and rate, a latency correction), without rewriting the spec.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
 from distserve.catalog import get_accelerator, get_model
 from distserve.catalog.accelerators import GBIT_BYTES
-from distserve.latency import SourceChoice, choose_source
+from distserve.latency import Correction, SourceChoice, choose_source
 from distserve.plan import LatencyStats, PhaseConfig, Plan
 from distserve.search.algorithms import UnitChoice, algorithm1, algorithm2
 from distserve.search.baselines import baseline_configs, best_baselines
@@ -31,9 +34,19 @@ from distserve.search.replicas import replicate, whole_unit
 from distserve.search.trials import SearchContext, Unit, run_unit, unit_goodput
 from distserve.simulator import SLO, SimResult, Trace
 from distserve.spec import DistServeDeploymentSpec, SpecError
-from distserve.workload import make_workload
+from distserve.workload import Workload, make_workload
 
 SAMPLED_REQUESTS = 4000  # requests sampled once; a trial takes as many as it needs
+
+
+@dataclass(frozen=True)
+class SearchOverrides:
+    """What a replan changes about the spec's search, the spec itself left as it is."""
+
+    workload: Workload | None = None  # the observed workload instead of spec.workload's
+    rate_rps: float | None = None  # the rate replicas are sized for instead of rateRps
+    correction: Correction | None = None  # per-phase latency factors fitted on the deployment
+    with_baselines: bool = True  # also search the colocated and chunked-prefill baselines
 
 
 class NoFeasiblePlan(ValueError):
@@ -52,12 +65,15 @@ def _silent(_: str) -> None:
 def plan_deployment(
     spec: DistServeDeploymentSpec, *, node_names: list[str] | None = None,
     gpus_per_node: int | None = None, progress: Callable[[str], None] | None = None,
+    overrides: SearchOverrides | None = None,
 ) -> Plan:
-    """The best placement for the spec; NoFeasiblePlan when there is none."""
+    """The best placement for the spec (as overrides change it); NoFeasiblePlan when there is none."""
     progress = progress or _silent
+    overrides = overrides or SearchOverrides()
     started = time.perf_counter()
     names, per_node = resolve_cluster(spec, node_names, gpus_per_node)
-    ctx = build_context(spec)
+    ctx = build_context(spec, overrides)
+    rate = overrides.rate_rps or spec.workload.rate_rps
     model = get_model(ctx.model)
     cluster = ClusterShape(
         len(names), per_node, spec.planner.max_nodes_per_instance or len(names)
@@ -69,17 +85,19 @@ def plan_deployment(
     )
     with _pool(spec.planner.workers) as pmap:
         if spec.placement is not None:
-            plan = _fixed(pmap, ctx, spec, names, per_node)
+            plan = _fixed(pmap, ctx, spec, names, per_node, rate)
         else:
-            plan = _searched(pmap, ctx, spec, model, cluster, names, min_kv, configs, progress)
+            plan = _searched(
+                pmap, ctx, spec, model, cluster, names, min_kv, configs, progress, rate
+            )
         base = {}
-        if ctx.latency.can_time("colocated"):
+        if overrides.with_baselines and ctx.latency.can_time("colocated"):
             base = best_baselines(
                 pmap, ctx,
                 baseline_configs(configs, per_node) or [(plan.prefill.tp, plan.prefill.pp)],
                 plan.num_gpus, progress,
             )
-        else:
+        elif overrides.with_baselines:
             progress(f"baselines skipped: {ctx.latency.profile_path} has no colocated engine")
     return _replace(plan, baselines=base, search_seconds=time.perf_counter() - started)
 
@@ -102,11 +120,14 @@ def resolve_cluster(
     return list(names[:count]), per_node
 
 
-def build_context(spec: DistServeDeploymentSpec) -> SearchContext:
+def build_context(
+    spec: DistServeDeploymentSpec, overrides: SearchOverrides | None = None
+) -> SearchContext:
     """The shared inputs of every trial: model, GPU, latency source, sampled requests, SLO."""
     model, accelerator = _model_and_accelerator(spec)
+    overrides = overrides or SearchOverrides()
     w = spec.workload
-    workload = make_workload(w.dataset, w.trace_path, w.arrival, w.cv)
+    workload = overrides.workload or make_workload(w.dataset, w.trace_path, w.arrival, w.cv)
     trace = Trace.from_requests(workload.sample(1.0, max(SAMPLED_REQUESTS, spec.planner.num_requests), spec.planner.seed))
     inter = (
         spec.cluster.inter_node_bandwidth_gbps * GBIT_BYTES
@@ -122,6 +143,7 @@ def build_context(spec: DistServeDeploymentSpec) -> SearchContext:
         max_decode_batch=spec.planner.max_decode_batch, chunk_size=spec.planner.chunk_size,
         intra_node_bytes_per_s=accelerator.intra_node_link_bytes_per_s,
         inter_node_bytes_per_s=inter,
+        correction=overrides.correction or Correction(),
     )
 
 
@@ -156,7 +178,7 @@ def _min_kv_tokens(trace: Trace) -> tuple[int, int]:
     return int(trace.prompt_tokens.max()), int(total.max())
 
 
-def _searched(pmap, ctx, spec, model, cluster, names, min_kv, configs, progress) -> Plan:
+def _searched(pmap, ctx, spec, model, cluster, names, min_kv, configs, progress, rate) -> Plan:
     """Run the placement algorithm the spec asks for and turn its unit into a plan."""
     if not configs:
         raise NoFeasiblePlan(
@@ -167,7 +189,6 @@ def _searched(pmap, ctx, spec, model, cluster, names, min_kv, configs, progress)
     algorithm = spec.planner.algorithm
     if algorithm == "auto":
         algorithm = "low-affinity" if spec.cluster.node_affinity == "low" else "high-affinity"
-    rate = spec.workload.rate_rps
     if algorithm == "low-affinity":
         choice = algorithm2(pmap, ctx, model, cluster, min_kv, progress)
         if choice is None:
@@ -208,7 +229,7 @@ def _searched(pmap, ctx, spec, model, cluster, names, min_kv, configs, progress)
     )
 
 
-def _fixed(pmap, ctx, spec, names, per_node) -> Plan:
+def _fixed(pmap, ctx, spec, names, per_node, rate) -> Plan:
     """Simulate the spec's fixed placement: its goodput, attainment and latencies."""
     p, d = spec.placement.prefill, spec.placement.decode
     prefill, decode = PhaseConfig(p.tp, p.pp, p.instances), PhaseConfig(d.tp, d.pp, d.instances)
@@ -235,7 +256,7 @@ def _fixed(pmap, ctx, spec, names, per_node) -> Plan:
         prefill=prefill, decode=decode, segments=segments, goodput_rps=goodput.rate_rps,
         attainment=attained, latency=stats, ttft_slo_s=ctx.slo.ttft_s,
         tpot_slo_s=ctx.slo.tpot_s, attainment_target=ctx.slo.attainment,
-        rate_rps=spec.workload.rate_rps, latency_source=ctx.latency.describe(),
+        rate_rps=rate, latency_source=ctx.latency.describe(),
     )
 
 

@@ -14,7 +14,9 @@ import numpy as np
 
 from distserve.catalog import get_model
 from distserve.latency import (
+    Correction,
     SourceChoice,
+    corrected,
     get_latency_model,
     kv_capacity_tokens,
     prefill_saturation_tokens,
@@ -58,6 +60,7 @@ class SearchContext:
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     min_duration_s: float = 60.0  # a trial spans at least this much arrival time
+    correction: Correction = Correction()  # per-phase factors fitted on a running deployment
 
     def trial_trace(self, rate_rps: float) -> Trace:
         """The requests of one trial at rate_rps.
@@ -94,18 +97,21 @@ def _gpus(config: Config) -> int:
 def instance_model(ctx: SearchContext, engine: str, config: Config) -> InstanceModel:
     """The memoised timer and KV capacity of one instance configuration."""
     return _instance_model(
-        ctx.model, ctx.accelerator, ctx.latency.source, ctx.profile_path, engine, config
+        ctx.model, ctx.accelerator, ctx.latency.source, ctx.profile_path, engine, config,
+        ctx.correction,
     )
 
 
 # NOTE: keyed on plain fields, not on the context: a context arrives unpickled afresh
 # with every task, and its trace is not hashable.
 @functools.lru_cache(maxsize=512)
-def _instance_model(model, accelerator, source, profile_path, engine, config) -> InstanceModel:
+def _instance_model(
+    model, accelerator, source, profile_path, engine, config, correction=None
+) -> InstanceModel:
     tp, pp = config
-    latency = get_latency_model(
+    latency = corrected(get_latency_model(
         model, accelerator, tp, pp, engine=engine, source=source, profile_path=profile_path
-    )
+    ), correction)
     capacity = kv_capacity_tokens(model, accelerator, tp, pp, profile_path=profile_path)
     return InstanceModel(StageTimer(latency, pp), capacity)
 
@@ -158,15 +164,18 @@ def _phase_capacity_rps(ctx: SearchContext, config: Config, engine: str) -> tupl
         ctx.model, ctx.accelerator, ctx.latency.source, ctx.profile_path, engine, config,
         ctx.max_prefill_tokens, ctx.max_decode_batch,
         float(np.mean(ctx.trace.prompt_tokens)), float(np.mean(ctx.trace.output_tokens)),
+        ctx.correction,
     )
 
 
 @functools.lru_cache(maxsize=1024)
 def _phase_capacity(
     model_name, accelerator, source, profile_path, engine, config, max_prefill_tokens,
-    max_decode_batch, prompt, output,
+    max_decode_batch, prompt, output, correction=None,
 ) -> tuple[float, float]:
-    model = _instance_model(model_name, accelerator, source, profile_path, engine, config)
+    model = _instance_model(
+        model_name, accelerator, source, profile_path, engine, config, correction
+    )
     lm = max_prefill_tokens or _saturation_tokens(
         model_name, accelerator, source, profile_path, config
     )

@@ -1,0 +1,87 @@
+"""A latency model scaled per phase by what a running deployment was seen to do.
+
+The profile or the analytic model predicts iteration times offline; a deployment in
+production runs faster or slower than that (other kernels, other clocks, a noisy
+neighbour). The workload analyzer holds the plan's predicted TTFT and TPOT against the
+measured ones and fits one factor per phase (`analyzer/replan.py`); the next search
+times every candidate with its latency model wrapped here, so that a replan does not
+inherit the offline model's bias. A factor of 1.0 leaves the phase as the model has it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from distserve.latency.base import LatencyModel
+
+# A factor outside this range is a fit gone wrong (a broken metric, a stalled
+# instance), not a slower or faster GPU: the correction never goes beyond it.
+MIN_FACTOR = 0.25
+MAX_FACTOR = 4.0
+
+
+@dataclass(frozen=True)
+class Correction:
+    """Per-phase multipliers on the latency model's iteration times."""
+
+    prefill_factor: float = 1.0  # prefill batch times are multiplied by this
+    decode_factor: float = 1.0  # decode step times are multiplied by this
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_factor", "decode_factor"):
+            value = getattr(self, name)
+            if not MIN_FACTOR <= value <= MAX_FACTOR:
+                raise ValueError(f"{name} must be in [{MIN_FACTOR}, {MAX_FACTOR}], got {value}")
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether the correction changes nothing."""
+        return self.prefill_factor == 1.0 and self.decode_factor == 1.0
+
+    @staticmethod
+    def clamped(prefill_factor: float, decode_factor: float) -> Correction:
+        """A correction with both factors brought inside [MIN_FACTOR, MAX_FACTOR]."""
+        def clamp(value: float) -> float:
+            return min(MAX_FACTOR, max(MIN_FACTOR, value))
+
+        return Correction(clamp(prefill_factor), clamp(decode_factor))
+
+
+class CorrectedLatencyModel:
+    """A latency model whose prefill and decode iterations are scaled by a Correction."""
+
+    def __init__(self, inner: LatencyModel, correction: Correction) -> None:
+        self.inner = inner
+        self.correction = correction
+        self.model, self.accelerator = inner.model, inner.accelerator
+        self.tp, self.pp, self.engine = inner.tp, inner.pp, inner.engine
+        self.source = f"{inner.source} (corrected)"
+
+    def prefill_stage_s(self, prompt_lens: Sequence[int]) -> float:
+        """The inner prefill time times the prefill factor."""
+        return self.inner.prefill_stage_s(prompt_lens) * self.correction.prefill_factor
+
+    def decode_stage_s(self, context_lens: Sequence[int]) -> float:
+        """The inner decode step time times the decode factor."""
+        return self.inner.decode_stage_s(context_lens) * self.correction.decode_factor
+
+    def mixed_stage_s(
+        self, prefill_chunks: Sequence[tuple[int, int]], decode_context_lens: Sequence[int]
+    ) -> float:
+        """A colocated iteration: scaled as prefill when it holds a chunk, else as decode."""
+        factor = (
+            self.correction.prefill_factor if prefill_chunks else self.correction.decode_factor
+        )
+        return self.inner.mixed_stage_s(prefill_chunks, decode_context_lens) * factor
+
+    def stage_handoff_s(self, num_tokens: int) -> float:
+        """Hand-offs move activations over a link: not corrected."""
+        return self.inner.stage_handoff_s(num_tokens)
+
+
+def corrected(latency_model: LatencyModel, correction: Correction | None) -> LatencyModel:
+    """latency_model scaled by correction (the model itself when there is nothing to scale)."""
+    if correction is None or correction.is_identity:
+        return latency_model
+    return CorrectedLatencyModel(latency_model, correction)
