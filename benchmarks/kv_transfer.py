@@ -3,7 +3,8 @@
 A prefill instance (SmolLM2-135M, its HTTP server in a thread) prefills one prompt per
 size; the KV is then pulled the three ways a decode instance can (in-process, shared
 memory, TCP over the HTTP port) and written into a second runner's cache, as a decode
-instance does; each row is the whole pull (control call, copies, import). It is compared
+instance does; each row is the whole pull (control call, copies, import) and the HTTP exchanges it took
+(counted where the prefill instance serves them). It is compared
 with a plain memory copy of the same bytes and with the request's own latency (prefill +
 OUTPUT_TOKENS decode steps). Every row is the best of REPEAT pulls.
 
@@ -55,7 +56,9 @@ def main() -> None:
     runner, decode_runner = ModelRunner(config), ModelRunner(config)
     instance = PrefillInstance("p0", runner, 2048).start()
     print(f"load average: {os.getloadavg()}; cores {sorted(os.sched_getaffinity(0))}")
-    with ServerThread(build_instance_app(instance)) as server:
+    app = build_instance_app(instance)
+    calls = count_requests(app)
+    with ServerThread(app) as server:
         instance.url = server.url
         fetcher = KVFetcher()
         for n in PROMPT_SIZES:
@@ -64,14 +67,18 @@ def main() -> None:
             prefill_s = time.perf_counter() - t0
             blob = instance.take_kv(handle.request_id)
             rows = {"memcpy": _best(lambda b=blob: (b.k.clone(), b.v.clone()))}
+            hops = {"memcpy": 0}
             for transport in ("inprocess", "shm", "tcp"):
+                before = calls["n"]
                 rows[transport] = min(_pull(instance, decode_runner, fetcher, transport, f"{transport}{n}{i}", n)
                                       for i in range(REPEAT))
+                hops[transport] = (calls["n"] - before) // REPEAT
             time.sleep(0.5)  # let the engine thread run the posted frees before using the runner here
             decode_s = _decode_s(runner, n)
             request_s = prefill_s + decode_s
             for name, seconds in rows.items():
                 print(f"prompt {n:5d} tokens  KV {blob.nbytes / 1e6:7.2f} MB  {name:<9} {seconds * 1e3:8.2f} ms  "
+                      f"{hops[name]} HTTP  "
                       f"{blob.nbytes / seconds / 1e9:6.2f} GB/s  {seconds / request_s:6.2%} of request latency "
                       f"({request_s:.2f} s: prefill {prefill_s:.2f} s + {OUTPUT_TOKENS} decode steps)")
         fetcher.close()
@@ -98,6 +105,18 @@ def _pull(instance: PrefillInstance, decode_runner: ModelRunner, fetcher: KVFetc
     seconds = time.perf_counter() - t0
     decode_runner.free(seq)
     return seconds
+
+
+def count_requests(app) -> dict[str, int]:
+    """A counter of the HTTP requests the app serves."""
+    calls = {"n": 0}
+
+    @app.middleware("http")
+    async def count(request, call_next):
+        calls["n"] += 1
+        return await call_next(request)
+
+    return calls
 
 
 def _best(fn, repeat: int = 5) -> float:

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # annotations only: this module stays free of torch and transformers
+    import torch
+
     from distserve_engine.block_manager import BlockManager
     from distserve_engine.config import EngineConfig
     from distserve_engine.kv_cache import KVBlob
@@ -59,8 +61,9 @@ class Runner(Protocol):
     def free(self, seq: Sequence) -> None:
         """Called when a sequence finishes, is cancelled or has been pulled: free its blocks."""
 
-    def export_kv(self, seq: Sequence) -> KVBlob:
-        """Called when a decode instance pulls: the sequence's KV, every layer and head."""
+    def export_kv(self, seq: Sequence, into: torch.Tensor | None = None) -> KVBlob:
+        """Called when a decode instance pulls: the sequence's KV, every layer and head, as
+        new tensors or written (K then V) into the host uint8 buffer `into`."""
 
     def import_kv(self, seq: Sequence, blob: KVBlob) -> None:
         """Called with a pulled blob: reserve blocks for `seq` and copy the KV into them."""

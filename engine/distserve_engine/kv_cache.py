@@ -29,6 +29,18 @@ class KVBlob:
         return self.k.nbytes + self.v.nbytes
 
 
+def kv_views(buffer: torch.Tensor, shape: list[int] | tuple[int, ...], dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as views of a uint8 buffer holding K then V, each of `shape` (L, n, Hkv, D)."""
+    half = buffer.numel() // 2
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if numel * dtype.itemsize != half:
+        raise ValueError(f"KV buffer: {buffer.numel()} bytes do not hold K and V of {tuple(shape)} {dtype}")
+    return buffer[:half].view(dtype).view(shape), buffer[half:].view(dtype).view(shape)
+
+
 @dataclass
 class KVCacheShape:
     """Per-rank shape of the cache: the layers and KV heads this rank holds."""
@@ -79,12 +91,29 @@ class KVCache:
         """K and V of one local layer, each (NB, bs, Hkv, D)."""
         return self.k[index], self.v[index]
 
-    def export(self, block_table: list[int], num_tokens: int) -> KVBlob:
-        """Copy the first num_tokens tokens of these blocks into a contiguous blob."""
-        k = self.k.new_empty(self._blob_shape(num_tokens))  # (L, n, Hkv, D)
-        v = self.v.new_empty(self._blob_shape(num_tokens))
+    def export(self, block_table: list[int], num_tokens: int, into: torch.Tensor | None = None
+               ) -> KVBlob:
+        """Copy the first num_tokens tokens of these blocks into a contiguous blob: new
+        tensors, or K then V written into `into` (a host uint8 buffer, e.g. a shared-memory
+        range, of at least `blob_nbytes(num_tokens)` bytes)."""
+        shape = self._blob_shape(num_tokens)  # (L, n, Hkv, D)
+        if into is None or self.k.device.type != "cpu":
+            k, v = self.k.new_empty(shape), self.v.new_empty(shape)
+            self._copy_blocks(block_table, num_tokens, k, v, is_export=True)
+            if into is not None:  # a device cache: through a device blob to the host buffer
+                host_k, host_v = kv_views(into[: self.blob_nbytes(num_tokens)], shape, self.shape.dtype)
+                host_k.copy_(k)
+                host_v.copy_(v)
+                k, v = host_k, host_v
+            return KVBlob(k=k, v=v, num_tokens=num_tokens)
+        k, v = kv_views(into[: self.blob_nbytes(num_tokens)], shape, self.shape.dtype)
         self._copy_blocks(block_table, num_tokens, k, v, is_export=True)
         return KVBlob(k=k, v=v, num_tokens=num_tokens)
+
+    def blob_nbytes(self, num_tokens: int) -> int:
+        """Bytes of K plus V of `num_tokens` tokens (this rank's layers and heads)."""
+        s = self.shape
+        return 2 * s.num_layers * num_tokens * s.num_kv_heads * s.head_dim * s.dtype.itemsize
 
     def import_(self, block_table: list[int], blob: KVBlob) -> None:
         """Write the blob's tokens into these blocks (which must hold blob.num_tokens)."""

@@ -6,6 +6,19 @@ latencies from each request's timeline and copies every instance's queue and KV 
 from the loads it polls, so one scrape of the router shows the whole deployment; each
 instance server also exposes its own gauges. The analyzer, dashboards and alerts read
 only these names.
+
+What the workload analyzer (`distserve.analyzer`) reads from the router:
+- `distserve_requests_arrived_total`: every request admitted to or refused by the
+  router (counted before admission), so the arrival rate includes overload;
+- `vllm:request_prompt_tokens` and `vllm:request_generation_tokens`: lengths of the
+  requests that finished without error, in `length_buckets_tokens(max_model_len)`: ten
+  buckets per decade (the rounded R10 series 1, 1.25, 1.6, 2, 2.5, 3.15, 4, 5, 6.3, 8
+  times a power of ten) up to the model's context length. vLLM uses 1-2-5 (three per
+  decade); a bucket here spans at most 25% of its bound, which keeps the lengths
+  resampled from a fit to the binned counts within a few percent in mean and p90;
+- `distserve_plan_info{plan_id, prefill, decode} 1` and the plan's predicted attainment
+  and goodput (`distserve_plan_predicted_*`), from the settings' `plan`, so a dashboard
+  puts prediction beside observation.
 """
 
 from __future__ import annotations
@@ -25,14 +38,30 @@ TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+R10_MANTISSAS = (1.0, 1.25, 1.6, 2.0, 2.5, 3.15, 4.0, 5.0, 6.3, 8.0)
+DEFAULT_MAX_LENGTH_TOKENS = 131072  # bucket range when the context length is not set
 TRANSFER_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                       0.5, 1.0, 2.5, 5.0)
+
+
+def length_buckets_tokens(max_model_len: int | None = None) -> tuple[int, ...]:
+    """Token-count bucket bounds: the R10 series rounded to integers, up to `max_model_len`."""
+    top = max_model_len or DEFAULT_MAX_LENGTH_TOKENS
+    if top < 1:
+        raise ValueError(f"max_model_len: must be >= 1, got {top}")
+    bounds = {top}
+    scale = 1
+    while scale <= top:
+        bounds.update(int(m * scale + 0.5) for m in R10_MANTISSAS if m * scale <= top)
+        scale *= 10
+    return tuple(sorted(bounds))
 
 
 class ServingMetrics:
     """The series of one process (router or instance), in its own registry."""
 
-    def __init__(self, deployment: str, role: str, instance: str, model_name: str) -> None:
+    def __init__(self, deployment: str, role: str, instance: str, model_name: str,
+                 max_model_len: int | None = None) -> None:
         self.registry = CollectorRegistry()
         self.labels = {"deployment": deployment, "role": role, "instance": instance,
                        "model_name": model_name}
@@ -68,6 +97,55 @@ class ServingMetrics:
                                (*LABELS, "slo"), registry=r)
         self.rejected = Counter("distserve_requests_rejected", "Requests refused by overload.",
                                 (*LABELS, "status"), registry=r)
+        self.arrived = Counter("distserve_requests_arrived", "Requests that reached admission "
+                               "(refused ones included).", LABELS, registry=r)
+        length_buckets = length_buckets_tokens(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Prompt length of finished requests (tokens).",
+            LABELS, buckets=length_buckets, registry=r)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Generated length of finished requests (tokens).",
+            LABELS, buckets=length_buckets, registry=r)
+        self.plan_info = Gauge("distserve_plan_info", "The plan served under (always 1).",
+                               (*LABELS, "plan_id", "prefill", "decode"), registry=r)
+        self.plan_attainment = Gauge("distserve_plan_predicted_attainment",
+                                     "SLO attainment the planner predicted at its goodput.",
+                                     (*LABELS, "plan_id"), registry=r)
+        self.plan_goodput = Gauge("distserve_plan_predicted_goodput_rps",
+                                  "Goodput the planner predicted (requests/s).",
+                                  (*LABELS, "plan_id"), registry=r)
+        self._start_series()
+
+    def _start_series(self) -> None:
+        """Create the counters' series at 0, so that a rate over a window counts the first
+        increments too (a series born with a value hides them from `increase()`)."""
+        labels = self._l()
+        for metric in (self.arrived, self.requests, self.request_prompt_tokens,
+                       self.request_generation_tokens):
+            metric.labels(**labels)
+        for slo in ("ttft", "tpot", "both"):
+            self.slo_met.labels(**labels, slo=slo)
+        for status in ("429", "503"):
+            self.rejected.labels(**labels, status=status)
+
+    def set_plan(self, plan_id: str | None, prefill: str = "", decode: str = "",
+                 predicted_attainment: float | None = None,
+                 predicted_goodput_rps: float | None = None) -> None:
+        """Export the plan served under (replacing the previous one's series)."""
+        for gauge in (self.plan_info, self.plan_attainment, self.plan_goodput):
+            gauge.clear()
+        if plan_id is None:
+            return
+        labels = self._l()
+        self.plan_info.labels(**labels, plan_id=plan_id, prefill=prefill, decode=decode).set(1)
+        if predicted_attainment is not None:
+            self.plan_attainment.labels(**labels, plan_id=plan_id).set(predicted_attainment)
+        if predicted_goodput_rps is not None:
+            self.plan_goodput.labels(**labels, plan_id=plan_id).set(predicted_goodput_rps)
+
+    def observe_arrival(self) -> None:
+        """Count one request reaching admission (before it may be refused)."""
+        self.arrived.labels(**self._l()).inc()
 
     def _l(self, **extra: str) -> dict[str, str]:
         return {**self.labels, **extra}
@@ -78,7 +156,11 @@ class ServingMetrics:
         self.prompt_tokens.labels(**labels).inc(timeline.num_prompt_tokens)
         self.generation_tokens.labels(**labels).inc(timeline.num_output_tokens)
         self.success.labels(**labels, finished_reason=timeline.finish_reason or "error").inc()
-        if timeline.error is not None or timeline.ttft_s is None:
+        if timeline.error is not None:
+            return
+        self.request_prompt_tokens.labels(**labels).observe(timeline.num_prompt_tokens)
+        self.request_generation_tokens.labels(**labels).observe(timeline.num_output_tokens)
+        if timeline.ttft_s is None:
             return
         self.ttft.labels(**labels).observe(timeline.ttft_s)
         self.e2e.labels(**labels).observe(timeline.e2e_s)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distserve_engine.sampling import SamplingParams
+from distserve_engine.sequence import DetokenizerState
 
 
 def now_s() -> float:
@@ -87,6 +88,7 @@ class PrefillOutput:
     first_text: str  # text of the first token that may be streamed (stop strings held back)
     finish_reason: str | None  # set when the request ended at its first token
     kv: KVHandle | None  # None when finished (nothing left to decode)
+    detokenizer: DetokenizerState  # the decode instance continues the text from here
     queued_s: float  # when the instance accepted it
     started_s: float  # when its prefill batch started
     finished_s: float  # when the first token was ready
@@ -96,13 +98,14 @@ class PrefillOutput:
         """A JSON-able document."""
         doc = dataclasses.asdict(self)
         doc["kv"] = self.kv.to_dict() if self.kv else None
-        return doc
+        return doc  # asdict already turned `detokenizer` into a dict
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> PrefillOutput:
         """Rebuild from `to_dict`'s document."""
         kv = doc.get("kv")
-        return cls(**{**doc, "kv": KVHandle.from_dict(kv) if kv else None})
+        return cls(**{**doc, "kv": KVHandle.from_dict(kv) if kv else None,
+                      "detokenizer": DetokenizerState(**doc["detokenizer"])})
 
 
 @dataclass

@@ -185,9 +185,10 @@ class ModelRunner:
         finally:
             self.block_manager.free(seq)
 
-    def export_kv(self, seq: Sequence) -> KVBlob:
-        """The sequence's cached KV as contiguous tensors (this rank's layers and heads)."""
-        return self.kv_cache.export(seq.block_table, seq.num_cached_tokens)
+    def export_kv(self, seq: Sequence, into: torch.Tensor | None = None) -> KVBlob:
+        """The sequence's cached KV as contiguous tensors (this rank's layers and heads),
+        written into the uint8 buffer `into` when given (K then V)."""
+        return self.kv_cache.export(seq.block_table, seq.num_cached_tokens, into)
 
     def import_kv(self, seq: Sequence, blob: KVBlob) -> None:
         """Allocate blocks in this cache for seq and copy the blob's KV into them."""

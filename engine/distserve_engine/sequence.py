@@ -12,6 +12,16 @@ from dataclasses import dataclass, field, replace
 from distserve_engine.sampling import SamplingParams
 
 
+@dataclass(frozen=True)
+class DetokenizerState:
+    """The text fields of a `Sequence` that incremental detokenization carries on from."""
+
+    output_text: str = ""  # text of the output so far (stop strings cut)
+    prefix_offset: int = 0  # output index where the last decoded window starts
+    read_offset: int = 0  # output index up to which text has been emitted
+    emitted_text_len: int = 0  # chars of output_text already streamed
+
+
 @dataclass
 class Sequence:
     """Tokens of one request and where its KV lives in this instance's cache."""
@@ -55,6 +65,17 @@ class Sequence:
             self, output_token_ids=list(self.output_token_ids), block_table=[],
             num_cached_tokens=0, prompt_token_ids=list(self.prompt_token_ids),
         )
+
+    @property
+    def detokenizer_state(self) -> DetokenizerState:
+        """Where incremental detokenization stands (travels from prefill to decode)."""
+        return DetokenizerState(self.output_text, self.prefix_offset, self.read_offset,
+                                self.emitted_text_len)
+
+    def resume_detokenizer(self, state: DetokenizerState) -> None:
+        """Continue detokenizing from `state` (a prefill instance's, after its first token)."""
+        self.output_text, self.prefix_offset = state.output_text, state.prefix_offset
+        self.read_offset, self.emitted_text_len = state.read_offset, state.emitted_text_len
 
     @property
     def is_finished(self) -> bool:

@@ -25,7 +25,7 @@ from test_up import free_port_block
 from distserve_engine.kv_cache import KVBlob
 from distserve_engine.request import KVHandle
 from distserve_engine.transfer import KVFetcher, shm
-from distserve_engine.transfer.codec import blob_header
+from distserve_engine.transfer.codec import blob_header, kv_views
 
 
 def _private_shm_works() -> bool:
@@ -123,54 +123,67 @@ def _blob(num_tokens: int = 3) -> KVBlob:
     return KVBlob(k=k, v=-k, num_tokens=num_tokens)
 
 
-@pytest.mark.skipif(not shm.is_available(), reason="no /dev/shm on this machine")
-def test_arena_token_is_seen_only_where_it_was_written():
-    arena = shm.Arena(1 << 16)
+needs_shm = pytest.mark.skipif(not shm.is_available(), reason="no /dev/shm on this machine")
+
+
+@needs_shm
+def test_prefill_token_is_seen_only_where_it_was_written():
+    token = shm.make_token()
     fetcher = KVFetcher()
     try:
-        assert shm.sees_token(arena.token)
-        handle = KVHandle("r1", "prefill-far", "http://127.0.0.1:1", shm_token=arena.token)
+        assert shm.sees_token(token.name)
+        handle = KVHandle("r1", "prefill-far", "http://127.0.0.1:1", shm_token=token.name)
         assert fetcher.transport_for(handle) == "shm"
         # A handle from a prefill whose /dev/shm this process does not see.
         elsewhere = KVHandle("r1", "prefill-far", "http://127.0.0.1:1",
                              shm_token=f"{shm.TOKEN_PREFIX}{'0' * 32}")
         assert fetcher.transport_for(elsewhere) == "tcp"
         assert fetcher.transport_for(KVHandle("r1", "prefill-far", "http://127.0.0.1:1")) == "tcp"
-        for bad in ("../../etc/passwd", arena.path.name, f"{shm.TOKEN_PREFIX}x/../y"):
+        for bad in ("../../etc/passwd", f"{shm.PREFIX}arena-1-x", f"{shm.TOKEN_PREFIX}x/../y"):
             assert not shm.sees_token(bad)
     finally:
-        arena.close()
+        token.unlink()
         fetcher.close()
-    assert not shm.sees_token(arena.token)  # closed: gone with its arena
+    assert not shm.sees_token(token.name)
 
 
-@pytest.mark.skipif(not shm.is_available(), reason="no /dev/shm on this machine")
-def test_missing_arena_raises_and_creates_nothing():
-    arena = shm.Arena(1 << 16)
-    blob = _blob()
-    header = arena.put("r1", blob)
-    reader = shm.ArenaReader()
-    view = reader.view(header)
-    torch.testing.assert_close(view.k, blob.k)
-    torch.testing.assert_close(view.v, blob.v)
-    arena.close()
-    ghost = {**header, "path": str(shm.SHM_DIR / f"{shm.PREFIX}arena-0-missing")}
-    with pytest.raises(shm.ArenaError, match="not in this process's"):
-        reader.view(ghost)
+@needs_shm
+def test_arena_range_round_trip_and_release():
+    arena = shm.Arena(3 * shm.ALIGN_BYTES)
+    writer = shm.ArenaWriter()
+    try:
+        blob = _blob()
+        where = arena.reserve("r1", blob.nbytes)
+        k, v = kv_views(writer.range(where)[: blob.nbytes], list(blob.k.shape), blob.k.dtype)
+        k.copy_(blob.k)  # what the prefill's export does
+        v.copy_(blob.v)
+        seen = arena.view("r1", blob_header(blob))
+        torch.testing.assert_close(seen.k, blob.k)
+        torch.testing.assert_close(seen.v, blob.v)
+        assert arena.reserve("r2", 2 * shm.ALIGN_BYTES) is not None
+        assert arena.reserve("r3", shm.ALIGN_BYTES) is None  # full: the pull goes over TCP
+        assert arena.release("r1") and not arena.release("r1")
+        assert arena.reserve("r3", shm.ALIGN_BYTES)["offset"] == 0  # the freed range again
+    finally:
+        arena.close()
+
+
+@needs_shm
+def test_missing_or_short_arena_raises_and_creates_nothing():
+    writer = shm.ArenaWriter()
+    ghost = {"path": str(shm.SHM_DIR / f"{shm.PREFIX}arena-0-missing"), "arena_bytes": 8192,
+             "offset": 0, "nbytes": 4096}
+    with pytest.raises(shm.ArenaError, match="do not share /dev/shm"):
+        writer.range(ghost)
     assert not Path(ghost["path"]).exists()
-    one_off = {**blob_header(blob), "path": str(shm.SHM_DIR / f"{shm.PREFIX}gone"),
-               "offset": 0, "arena_bytes": None}
-    with pytest.raises(shm.ArenaError):
-        reader.view(one_off)
-    assert not Path(one_off["path"]).exists()
-
-
-@pytest.mark.skipif(not shm.is_available(), reason="no /dev/shm on this machine")
-def test_short_shared_memory_file_raises():
-    path = shm.SHM_DIR / f"{shm.PREFIX}short-test-{os.getpid()}"
-    path.write_bytes(b"\0" * 16)
-    blob = _blob()
-    header = {**blob_header(blob), "path": str(path), "offset": 0, "arena_bytes": None}
-    with pytest.raises(shm.ArenaError, match="16 bytes"):
-        shm.ArenaReader().view(header)
-    assert not path.exists()  # a one-off file is removed once read, even when it fails
+    short = shm.SHM_DIR / f"{shm.PREFIX}short-test-{os.getpid()}"
+    short.write_bytes(b"\0" * 16)
+    try:
+        with pytest.raises(shm.ArenaError, match="holds 16 bytes"):
+            writer.range({**ghost, "path": str(short)})
+    finally:
+        short.unlink()
+    with pytest.raises(shm.ArenaError, match="outside"):
+        writer.range({**ghost, "path": "/etc/passwd"})
+    with pytest.raises(shm.ArenaError, match="outside the 8192-byte arena"):
+        writer.range({**ghost, "offset": 8192})

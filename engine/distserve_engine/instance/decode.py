@@ -76,6 +76,7 @@ class DecodeInstance(InstanceLoop):
         """Stop the engine thread and the transfer threads."""
         super().stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.fetcher.close()  # its shared-memory arena goes with it
 
     def step(self) -> None:
         """Start the pulls that fit, import finished ones, decode one token for all."""
@@ -116,16 +117,17 @@ class DecodeInstance(InstanceLoop):
             self._pulling.pop(rid, None)
             if incoming.is_cancelled:
                 self.admission.release(rid)
+                self.fetcher.release(incoming.prefill.kv)
                 continue
             seq = Sequence(rid, incoming.request.prompt_token_ids, incoming.request.params)
             seq.output_token_ids.append(incoming.prefill.first_token_id)
-            # Replays the prefill's stop check of the first token: rebuilds the streaming
-            # text state (its text already went out with the PrefillOutput).
-            self.runner.check_stop(seq)
+            seq.resume_detokenizer(incoming.prefill.detokenizer)  # its text already went out
             import_started_s = now_s()
-            self.runner.import_kv(seq, blob)  # the copy into this cache ends the transfer
+            try:
+                self.runner.import_kv(seq, blob)  # the copy into this cache ends the transfer
+            finally:
+                self.fetcher.release(incoming.prefill.kv)  # the blob's shared memory, if any
             stats.finished_s += now_s() - import_started_s
-            self._pool.submit(self.fetcher.release, incoming.prefill.kv)
             self.batch.add(
                 Running(
                     request=incoming.request,

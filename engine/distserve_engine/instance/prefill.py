@@ -12,6 +12,7 @@ pushing KV onto a decode instance that has no room.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 from distserve_engine.instance.loop import PromptQueueLoop, Waiting
 from distserve_engine.interface import Runner
@@ -24,6 +25,9 @@ from distserve_engine.request import (
     now_s,
 )
 from distserve_engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 
 class PrefillInstance(PromptQueueLoop):
@@ -41,11 +45,12 @@ class PrefillInstance(PromptQueueLoop):
         self._held: dict[str, Sequence] = {}
         self._held_lock = threading.Lock()  # `take_kv` runs on transfer threads
 
-    def take_kv(self, request_id: str) -> KVBlob:
-        """Copy out a held request's KV and free its blocks; KeyError when not held."""
+    def take_kv(self, request_id: str, into: torch.Tensor | None = None) -> KVBlob:
+        """Copy out a held request's KV (into the uint8 buffer `into`, K then V, when given)
+        and free its blocks; KeyError when not held."""
         with self._held_lock:
             seq = self._held.pop(request_id)
-        blob = self.runner.export_kv(seq)
+        blob = self.runner.export_kv(seq, into)
         # NOTE: blocks are freed on the engine thread, between batches, so the free
         # list never changes under a running prefill.
         self.post(lambda: self.runner.free(seq))
@@ -81,6 +86,7 @@ class PrefillInstance(PromptQueueLoop):
                     first_text=text,
                     finish_reason=seq.finish_reason,
                     kv=handle,
+                    detokenizer=seq.detokenizer_state,
                     queued_s=item.queued_s,
                     started_s=started_s,
                     finished_s=finished_s,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -33,7 +34,7 @@ from distserve_engine.block_manager import BlockManager
 from distserve_engine.config import EngineConfig
 from distserve_engine.errors import EngineError
 from distserve_engine.instance.ranks import RankLayout
-from distserve_engine.kv_cache import KVBlob
+from distserve_engine.kv_cache import KVBlob, kv_views
 from distserve_engine.parallel import ParallelState
 from distserve_engine.runner import ModelRunner
 from distserve_engine.sequence import Sequence
@@ -197,13 +198,19 @@ class DriverRunner:
             self._send(Free(seq))
             self.runner.free(seq)
 
-    def export_kv(self, seq: Sequence) -> KVBlob:
-        """The sequence's KV over all layers and heads, gathered to rank 0."""
+    def export_kv(self, seq: Sequence, into: torch.Tensor | None = None) -> KVBlob:
+        """The sequence's KV over all layers and heads, gathered to rank 0 (into the uint8
+        buffer `into`, K then V, when given)."""
         with self._lock:
             self._send(ExportKV(seq))
             own = self.runner.export_kv(seq)
             n = own.num_tokens
-            full = [own.k.new_empty(self._full_shape(n)) for _ in range(2)]  # K, V
+            shape = self._full_shape(n)
+            if into is None:
+                full = [own.k.new_empty(shape) for _ in range(2)]  # K, V
+            else:
+                nbytes = 2 * own.k.dtype.itemsize * math.prod(shape)
+                full = list(kv_views(into[:nbytes], shape, own.k.dtype))
             for state in self._rank_states:
                 for part, tensor in zip(full, (own.k, own.v), strict=True):
                     if state.rank != 0:

@@ -34,6 +34,9 @@ def pin_cpu(cores: list[int] | None, num_threads: int | None = None) -> None:
             pass
 
 
+MAX_ARENA_BYTES = 1 << 30  # a decode's shared-memory arena: at most its KV cache, and 1 GiB
+
+
 def build_instance(role: str, name: str, settings: ServeSettings, runner: Any = None,
                    url: str = "") -> Any:
     """A started instance of `role` with its own runner."""
@@ -42,7 +45,8 @@ def build_instance(role: str, name: str, settings: ServeSettings, runner: Any = 
         instance = PrefillInstance(name, runner, settings.max_prefill_tokens, url=url)
         inprocess.register(instance)
     elif role == "decode":
-        instance = DecodeInstance(name, runner, KVFetcher(), settings.max_decode_batch)
+        fetcher = KVFetcher(arena_bytes=min(runner.kv_capacity_bytes, MAX_ARENA_BYTES))
+        instance = DecodeInstance(name, runner, fetcher, settings.max_decode_batch)
     elif role == "colocated":
         instance = ColocatedInstance(name, runner, settings.max_prefill_tokens,
                                      settings.max_decode_batch)
@@ -52,8 +56,11 @@ def build_instance(role: str, name: str, settings: ServeSettings, runner: Any = 
 
 
 def build_metrics(settings: ServeSettings, role: str, name: str) -> ServingMetrics:
-    """The process's metrics with its labels."""
-    return ServingMetrics(settings.deployment, role, name, settings.model_name)
+    """The process's metrics with its labels and the plan it serves under."""
+    metrics = ServingMetrics(settings.deployment, role, name, settings.model_name,
+                             settings.engine.get("max_model_len"))
+    metrics.set_plan(**settings.plan_metrics())
+    return metrics
 
 
 def build_router(settings: ServeSettings, role_to_clients: dict[str, list[Any]],

@@ -5,14 +5,17 @@ Internal endpoints (JSON; the contract is `request.py`'s dataclasses):
 - `POST /decode` {request, prefill} -> JSON lines of TokenEvents (decode role)
 - `POST /generate` {request} -> JSON lines of TokenEvents (colocated role)
 - `GET /kv/{id}` raw K then V bytes, header in X-KV-Header (prefill; TCP transfer)
-- `POST /kv/{id}/shm` -> header: where in this process's /dev/shm arena the KV now is
-  (prefill; shared-memory transfer); `DELETE /kv/{id}/shm` releases that range.
+- `POST /kv/{id}/shm` {path, arena_bytes, offset, nbytes}: export the KV straight into
+  that range of the decode process's /dev/shm arena -> the blob's header (prefill;
+  shared-memory transfer; the decode side frees the range itself).
 - `DELETE /requests/{id}` cancel; `GET /load`, `GET /health` (ready for work),
   `GET /livez` (the engine thread alive and not stuck), `GET /metrics`.
 A caller that disconnects from a prefill or a stream cancels the request.
 
 The routes are module-level; what they serve (the instance, its arena, its metrics)
-lives in `app.state.served`, set by `build_instance_app`.
+lives in `app.state.served`, set by `build_instance_app`. A prefill instance writes a
+token file into /dev/shm at start; decode processes that see it pull through shared
+memory (`transfer/shm.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from distserve_engine.metrics import CONTENT_TYPE, ServingMetrics
 from distserve_engine.request import PrefillOutput, ServeRequest, TokenEvent
 from distserve_engine.transfer import shm, tcp
+from distserve_engine.transfer.codec import blob_header
 
 if TYPE_CHECKING:
     from distserve_engine.instance.colocated import ColocatedInstance
@@ -37,7 +41,6 @@ if TYPE_CHECKING:
 
     Instance = PrefillInstance | DecodeInstance | ColocatedInstance
 
-MAX_ARENA_BYTES = 1 << 30  # the shared-memory arena never holds more than the KV cache
 
 routes = APIRouter()
 
@@ -48,7 +51,7 @@ class Served:
 
     instance: Instance
     metrics: ServingMetrics | None = None
-    arena: shm.Arena | None = None  # prefill only, where /dev/shm exists
+    arenas: shm.ArenaWriter | None = None  # prefill only, where /dev/shm exists
 
 
 def build_instance_app(instance: Instance, metrics: ServingMetrics | None = None) -> FastAPI:
@@ -56,9 +59,10 @@ def build_instance_app(instance: Instance, metrics: ServingMetrics | None = None
     app = FastAPI(title=f"DistServe {instance.role} instance {instance.name}")
     served = Served(instance, metrics)
     if instance.role == "prefill" and shm.is_available():
-        served.arena = shm.Arena(min(instance.runner.kv_capacity_bytes, MAX_ARENA_BYTES))
-        instance.shm_token = served.arena.token  # handles tell decode processes how to prove sharing
-        app.router.on_shutdown.append(served.arena.close)
+        served.arenas = shm.ArenaWriter()
+        token = shm.make_token()
+        instance.shm_token = token.name  # handles tell decode processes how to prove sharing
+        app.router.on_shutdown.append(lambda: token.unlink(missing_ok=True))
     app.state.served = served
     app.include_router(routes)
     return app
@@ -137,19 +141,17 @@ async def kv_tcp(request_id: str, raw: Request) -> Response:
 @routes.post("/kv/{request_id}/shm")
 async def kv_shm(request_id: str, raw: Request) -> Response:
     served = _served(raw)
-    if served.arena is None:
-        return JSONResponse({"error": "this instance has no shared-memory arena"}, status_code=409)
+    if served.arenas is None:
+        return JSONResponse({"error": "this instance has no shared memory"}, status_code=409)
     try:
-        blob = await asyncio.to_thread(served.instance.take_kv, request_id)
+        into = served.arenas.range(await raw.json())
+    except (shm.ArenaError, KeyError, TypeError, ValueError) as exc:
+        return JSONResponse({"error": f"shared-memory range: {exc}"}, status_code=400)
+    try:
+        blob = await asyncio.to_thread(served.instance.take_kv, request_id, into)
     except KeyError:
         return JSONResponse({"error": f"no KV held for {request_id}"}, status_code=404)
-    return JSONResponse(await asyncio.to_thread(served.arena.put, request_id, blob))
-
-
-@routes.delete("/kv/{request_id}/shm")
-async def kv_shm_release(request_id: str, raw: Request) -> dict:
-    arena = _served(raw).arena
-    return {"released": arena is not None and arena.release(request_id)}
+    return JSONResponse(blob_header(blob))
 
 
 @routes.delete("/requests/{request_id}")

@@ -144,6 +144,8 @@ def build_openai_app(frontend: Frontend, metrics: Any, on_startup: Any = None,
     async def serve(raw: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
         try:
             request = frontend.prepare(body)
+            if metrics is not None:
+                metrics.observe_arrival()
             frontend.router.admit()
         except BadRequest as exc:
             return error_response(str(exc), exc.status, exc.param)

@@ -4,7 +4,7 @@ The operator mounts the router's `serve.json` from a ConfigMap; kubelet replaces
 ConfigMap volume's files in place (an atomic symlink swap), so a plan switch reaches a
 running router as a new file, not as a new pod. The watcher polls the file's content
 every few seconds and hands the router the new peers (added at once; those gone drain:
-no new request, in-flight ones finish) and the new limits (waiting bound, SLOs).
+no new request, in-flight ones finish) and the new limits (waiting bound, SLOs) and plan (its metrics).
 A file that does not parse is logged and ignored: the router keeps what it has.
 """
 
@@ -33,6 +33,8 @@ def apply_settings(router: Router, settings: ServeSettings,
     router.max_decode_batch = settings.max_decode_batch
     router.ttft_slo_s, router.tpot_slo_s = settings.ttft_slo_s, settings.tpot_slo_s
     router.set_peers(make_clients(settings.peers))
+    if router.metrics is not None:  # a replan names a new plan in the same file
+        router.metrics.set_plan(**settings.plan_metrics())
 
 
 class PeerWatcher:

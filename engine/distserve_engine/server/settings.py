@@ -6,7 +6,10 @@
      "default_max_tokens": 256, "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
      "instances": {"prefill": 1, "decode": 1, "colocated": 0},   # for --role all
      "peers": {"prefill": ["http://p0:8001"], "decode": [...]},  # for --role router
-     "parallel": {"prefill": {"tp": 2, "pp": 1}}}  # ranks per instance (default 1 x 1)
+     "parallel": {"prefill": {"tp": 2, "pp": 1}},  # ranks per instance (default 1 x 1)
+     "plan": {"id": "3f2a9c0d1e", "predicted_attainment": 0.93,   # optional: the plan
+              "predicted_goodput_rps": 4.2,                         # served, for metrics
+              "prefill": "tp2pp1x1", "decode": "tp1pp1x2"}}
 
 A peer is `URL`, `NAME=URL` or `{"name", "url", "node", "draining"}`. A router reading
 its peers from this file re-reads it while it runs (`server/peers.py`).
@@ -20,6 +23,27 @@ from pathlib import Path
 from typing import Any
 
 from distserve_engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class PlanInfo:
+    """The plan a deployment serves under, with what the planner predicted for it."""
+
+    id: str  # Plan.plan_id
+    predicted_attainment: float | None = None  # SLO attainment at the predicted goodput
+    predicted_goodput_rps: float | None = None
+    prefill: str = ""  # the phase's shape, `tp<TP>pp<PP>x<instances>`
+    decode: str = ""
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> PlanInfo:
+        """Read `plan`; unknown keys or a missing id are an error naming them."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(doc) - known)
+        if unknown or not isinstance(doc.get("id"), str) or not doc["id"]:
+            raise ValueError(f"serve settings: plan needs a non-empty string id and only keys "
+                             f"{sorted(known)}; got {doc!r}")
+        return cls(**doc)
 
 
 @dataclass
@@ -37,6 +61,11 @@ class ServeSettings:
     instances: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
     peers: dict[str, list[Any]] = field(default_factory=dict)  # role -> instance peers
     parallel: dict[str, dict[str, int]] = field(default_factory=dict)  # role -> {"tp", "pp"}
+    plan: PlanInfo | None = None  # the plan served under (metrics only); None without a plan
+
+    def __post_init__(self) -> None:
+        if isinstance(self.plan, dict):
+            self.plan = PlanInfo.from_dict(self.plan)
 
     def engine_config(self) -> EngineConfig:
         """The EngineConfig of every instance."""
@@ -49,6 +78,14 @@ class ServeSettings:
     @property
     def tpot_slo_s(self) -> float | None:
         return self.slo.get("tpot_s")
+
+    def plan_metrics(self) -> dict[str, Any]:
+        """The arguments of `ServingMetrics.set_plan` for this plan."""
+        if self.plan is None:
+            return {"plan_id": None}
+        return {"plan_id": self.plan.id, "prefill": self.plan.prefill, "decode": self.plan.decode,
+                "predicted_attainment": self.plan.predicted_attainment,
+                "predicted_goodput_rps": self.plan.predicted_goodput_rps}
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document."""

@@ -6,7 +6,9 @@ from typing import Any
 
 import torch
 
-from distserve_engine.kv_cache import KVBlob
+from distserve_engine.kv_cache import KVBlob, kv_views
+
+__all__ = ["NAME_TO_DTYPE", "blob_bytes", "blob_from_bytes", "blob_header", "kv_views"]
 
 NAME_TO_DTYPE = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 
