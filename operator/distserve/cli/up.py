@@ -100,7 +100,8 @@ def run(args) -> int:
         _log(f"planner: no prediction ({err}); running the spec's placement")
     instances = instance_counts(spec, plan, args.colocated)
     parallel = instance_parallel(spec, plan, args.colocated)
-    settings = serve_settings(spec, instances, manifest.metadata.name, model_path, parallel)
+    settings = serve_settings(spec, instances, manifest.metadata.name, model_path, parallel,
+                              plan if not args.colocated else None)
     backend = "ray" if args.ray_address else args.backend
     launcher = LocalLauncher(settings, args.host, args.port, backend, args.ray_address)
     _log(f"work folder {launcher.workdir} (settings and logs; removed on stop)")

@@ -27,7 +27,8 @@ from distserve.k8s.workers import (
     build_env,
     build_lifecycle,
 )
-from distserve.local.settings import serve_settings
+from distserve.local.settings import plan_settings, serve_settings
+from distserve.plan import Plan
 
 ROUTER_CONFIG_DIR = "/etc/distserve/router"
 ROUTER_SETTINGS_FILE = "serve.json"  # the engine's ServeSettings with `peers`
@@ -36,16 +37,20 @@ ENGINE_HASH_ANNOTATION = "distserve.io/engine-hash"
 
 
 def build_router_config(
-    owner: naming.Owner, spec: specs.DistServeDeploymentSpec, instances: list[dict[str, Any]]
+    owner: naming.Owner, spec: specs.DistServeDeploymentSpec, instances: list[dict[str, Any]],
+    plan: Plan | None = None,
 ) -> dict[str, Any]:
     """The full view: every instance of every live revision, draining ones marked
-    (see `applying.route_instances`)."""
-    return {
+    (see `applying.route_instances`), and the plan being served (for the metrics)."""
+    config = {
         "deployment": owner.name,
         "model": spec.model.name,
         "port": spec.engine.port,
         "instances": instances,
     }
+    if plan is not None:
+        config["plan"] = plan_settings(plan)
+    return config
 
 
 def router_peers(config: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -63,7 +68,7 @@ def build_router_settings(spec: specs.DistServeDeploymentSpec, config: dict[str,
     peers = router_peers(config)
     counts = {role: len(urls) for role, urls in peers.items()}
     settings = serve_settings(spec, counts, config["deployment"], weights.model_path(spec))
-    return {**settings, "peers": peers}
+    return {**settings, "peers": peers, "plan": config.get("plan")}
 
 
 def build_router_config_map_spec(

@@ -76,7 +76,8 @@ def build_serve_settings(revision: naming.Revision) -> dict[str, Any]:
     """The engine's settings document (the local launcher's, with in-pod paths)."""
     plan = revision.plan
     counts = {"prefill": plan.prefill.instances, "decode": plan.decode.instances}
-    return serve_settings(revision.spec, counts, revision.owner.name, weights.model_path(revision.spec))
+    return serve_settings(revision.spec, counts, revision.owner.name, weights.model_path(revision.spec),
+                          plan=plan)
 
 
 def build_engine_config_map_spec(revision: naming.Revision) -> dict[str, Any]:

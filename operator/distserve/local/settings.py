@@ -62,10 +62,21 @@ def instance_parallel(spec: DistServeDeploymentSpec, plan: Plan | None,
             for role in ("prefill", "decode")}
 
 
+def plan_settings(plan: Plan) -> dict[str, Any]:
+    """The settings' `plan`: its id and predictions, which the engine exports as metrics."""
+    def shape(phase) -> str:
+        return f"tp{phase.tp}pp{phase.pp}x{phase.instances}"
+
+    return {"id": plan.plan_id, "predicted_attainment": plan.attainment,
+            "predicted_goodput_rps": plan.goodput_rps,
+            "prefill": shape(plan.prefill), "decode": shape(plan.decode)}
+
+
 def serve_settings(spec: DistServeDeploymentSpec, instances: dict[str, int], deployment: str,
-                   model_path: str, parallel: dict[str, dict[str, int]] | None = None
-                   ) -> dict[str, Any]:
-    """The settings document of every process of this deployment (`parallel`: role -> tp, pp)."""
+                   model_path: str, parallel: dict[str, dict[str, int]] | None = None,
+                   plan: Plan | None = None) -> dict[str, Any]:
+    """The settings document of every process of this deployment (`parallel`: role -> tp, pp;
+    `plan`: the plan served, named in the metrics)."""
     device = engine_device(spec)
     max_model_len = spec.model.max_model_len or (DEFAULT_CPU_MAX_MODEL_LEN if device == "cpu" else None)
     engine = {"model": model_path, "device": device, "dtype": spec.model.dtype,
@@ -83,4 +94,5 @@ def serve_settings(spec: DistServeDeploymentSpec, instances: dict[str, int], dep
         "slo": {"ttft_s": spec.slo.ttft_seconds, "tpot_s": spec.slo.tpot_seconds},
         "instances": instances,
         "parallel": parallel or {},
+        "plan": plan_settings(plan) if plan is not None else None,
     }
