@@ -85,8 +85,9 @@ def test_up_serves_and_ctrl_c_stops_everything(tiny_llama, tmp_path, backend):
     spec.write_text(textwrap.dedent(SPEC.format(path=tiny_llama)))
     port = free_port_block()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    # --no-measure: this test is about serving; test_up_profile.py measures and caches.
     proc = subprocess.Popen([sys.executable, "-c", CLI, "up", "-f", str(spec), "--port", str(port),
-                             "--backend", backend], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--backend", backend, "--no-measure"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
