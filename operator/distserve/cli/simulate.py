@@ -19,7 +19,7 @@ from distserve.plan import PhaseConfig
 from distserve.search import build_context, resolve_cluster
 from distserve.search.placement import ClusterTooSmall, pair_links, place_fixed
 from distserve.search.replicas import whole_unit
-from distserve.search.trials import instance_model, run_unit
+from distserve.search.trials import Config, instance_model, run_unit
 from distserve.spec import load_manifest
 
 NAME = "simulate"
@@ -63,7 +63,7 @@ def run(args) -> int:
         try:
             capacity = kv_capacity_tokens(ctx.model, ctx.accelerator, phase.tp, phase.pp)
             if capacity > 0:
-                instance_model(ctx, "disaggregated", (phase.tp, phase.pp))
+                instance_model(ctx, "disaggregated", Config(phase.tp, phase.pp))
         except ValueError as err:
             return _fail(f"{role} tp={phase.tp} pp={phase.pp}: {err}")
         if capacity <= 0:

@@ -7,7 +7,7 @@ enumerates inter_op (node-level segments per instance) and the intra-node
 configurations of a prefill and a decode segment that share each node, and simulates
 the pair jointly, KV moving over the node's link.
 NOTE: in Algorithm 2 a node may hold several prefill or decode segments of the same
-stage (n_prefill, n_decode), so the two phases need not be 1:1; the counts come from
+stage (num_prefill, num_decode), so the two phases need not be 1:1; the counts come from
 the phases' own goodputs, and the per-phase goodputs also bound the joint one, so
 pairs that cannot beat the best joint result so far are not simulated jointly.
 """
@@ -44,18 +44,18 @@ class UnitChoice:
 def balance(
     prefill_rps: float, prefill_gpus: int, decode_rps: float, decode_gpus: int, max_gpus: int
 ) -> tuple[int, int, float]:
-    """(n_prefill, n_decode, bound_rps): instance counts within max_gpus whose slower
+    """(num_prefill, num_decode, bound_rps): instance counts within max_gpus whose slower
     phase serves the most requests per GPU; bound_rps is that slower phase's rate."""
     best = (0, 0, 0.0)
     best_per_gpu = 0.0
-    for n_p in range(1, MAX_INSTANCES_PER_UNIT + 1):
-        for n_d in range(1, MAX_INSTANCES_PER_UNIT + 1):
-            gpus = n_p * prefill_gpus + n_d * decode_gpus
+    for num_prefill in range(1, MAX_INSTANCES_PER_UNIT + 1):
+        for num_decode in range(1, MAX_INSTANCES_PER_UNIT + 1):
+            gpus = num_prefill * prefill_gpus + num_decode * decode_gpus
             if gpus > max_gpus:
                 break
-            bound = min(n_p * prefill_rps, n_d * decode_rps)
-            if bound / gpus > best_per_gpu * (1 + 1e-9):
-                best, best_per_gpu = (n_p, n_d, bound), bound / gpus
+            bound_rps = min(num_prefill * prefill_rps, num_decode * decode_rps)
+            if bound_rps / gpus > best_per_gpu * (1 + 1e-9):
+                best, best_per_gpu = (num_prefill, num_decode, bound_rps), bound_rps / gpus
     return best
 
 
@@ -87,29 +87,33 @@ def algorithm1(
     table = phase_table(pmap, ctx, configs)
 
     def best(phase: str) -> tuple[Config, float]:
-        config = max(configs, key=lambda c: table[(phase, c)].rate_rps / (c[0] * c[1]))
+        """The phase's configuration of most goodput per GPU, and its goodput (req/s)."""
+        config = max(configs, key=lambda c: table[(phase, c)].rate_rps / c.num_gpus)
         return config, table[(phase, config)].rate_rps
 
-    (cp, gp), (cd, gd) = best("prefill"), best("decode")
-    if gp <= 0 or gd <= 0:
-        return UnitChoice(Unit(cp, cd, 1, 1, ctx.inter_node_bytes_per_s), 1, Goodput(
+    (prefill, prefill_rps), (decode, decode_rps) = best("prefill"), best("decode")
+    if prefill_rps <= 0 or decode_rps <= 0:
+        return UnitChoice(Unit(prefill, decode, 1, 1, ctx.inter_node_bytes_per_s), 1, Goodput(
             0.0, best_phase_attainment(table), 0))
     if rate_rps:
-        n_p, n_d = math.ceil(rate_rps / gp), math.ceil(rate_rps / gd)
+        num_prefill, num_decode = math.ceil(rate_rps / prefill_rps), math.ceil(rate_rps / decode_rps)
     else:
-        n_p, n_d, _ = balance(gp, cp[0] * cp[1], gd, cd[0] * cd[1], cluster.num_gpus)
-        n_p, n_d = max(n_p, 1), max(n_d, 1)
+        num_prefill, num_decode, _ = balance(prefill_rps, prefill.num_gpus, decode_rps,
+                                             decode.num_gpus, cluster.num_gpus)
+        num_prefill, num_decode = max(num_prefill, 1), max(num_decode, 1)
     for _ in range(MAX_RESIZES):
-        unit = Unit(cp, cd, n_p, n_d, ctx.inter_node_bytes_per_s)
-        progress(f"algorithm 1: prefill tp{cp[0]}pp{cp[1]} x{n_p}, decode tp{cd[0]}pp{cd[1]} x{n_d}")
-        (joint,) = pmap(unit_goodput, [(ctx, unit, None, None, min(n_p * gp, n_d * gd))])
+        unit = Unit(prefill, decode, num_prefill, num_decode, ctx.inter_node_bytes_per_s)
+        progress(f"algorithm 1: prefill tp{prefill.tp}pp{prefill.pp} x{num_prefill}, "
+                 f"decode tp{decode.tp}pp{decode.pp} x{num_decode}")
+        bound_rps = min(num_prefill * prefill_rps, num_decode * decode_rps)
+        (joint,) = pmap(unit_goodput, [(ctx, unit, None, None, bound_rps)])
         if not rate_rps or joint.rate_rps >= rate_rps or joint.rate_rps <= 0:
             break
         # NOTE: both phases together miss more requests than either alone, so the
         # per-phase counts may fall short of the rate; grow both in proportion.
         scale = rate_rps / joint.rate_rps
-        n_p, n_d = math.ceil(n_p * scale), math.ceil(n_d * scale)
-        if n_p * cp[0] * cp[1] + n_d * cd[0] * cd[1] > cluster.num_gpus:
+        num_prefill, num_decode = math.ceil(num_prefill * scale), math.ceil(num_decode * scale)
+        if num_prefill * prefill.num_gpus + num_decode * decode.num_gpus > cluster.num_gpus:
             break
     return UnitChoice(unit, 1, joint)
 
@@ -124,18 +128,19 @@ def algorithm2(
         k for k in range(1, min(cluster.max_nodes_per_instance, cluster.num_nodes) + 1)
         if model.num_layers % k == 0
     ]
-    k_to_segs = {
-        k: sorted(set(segment_configs(
-            model, ctx.accelerator, cluster, k, min(min_kv), ctx.latency, ctx.profile_path
+    inter_op_to_segments = {
+        inter_op: sorted(set(segment_configs(
+            model, ctx.accelerator, cluster, inter_op, min(min_kv), ctx.latency, ctx.profile_path
         )))
-        for k in inter_ops
+        for inter_op in inter_ops
     }
-    configs = [(tp, k * lpp) for k, segs in k_to_segs.items() for tp, lpp in segs]
+    configs = [Config(segment.tp, inter_op * segment.pp)
+               for inter_op, segments in inter_op_to_segments.items() for segment in segments]
     if not configs:
         return None
     progress(f"algorithm 2: {len(configs)} segment configurations x 2 phases")
     table = phase_table(pmap, ctx, configs)
-    ranked = _ranked_units(ctx, cluster, k_to_segs, table, min_kv)
+    ranked = _ranked_units(ctx, cluster, inter_op_to_segments, table, min_kv)
     if not ranked:
         unit = Unit(configs[0], configs[0], 1, 1, ctx.intra_node_bytes_per_s)
         return UnitChoice(unit, 1, Goodput(0.0, best_phase_attainment(table), 0))
@@ -149,8 +154,8 @@ def algorithm2(
         results = pmap(unit_goodput, [
             (ctx, unit, None, None, per_gpu * unit.num_gpus) for per_gpu, unit, _ in batch
         ])
-        for (_, unit, k), joint in zip(batch, results, strict=True):
-            choice = UnitChoice(unit, k, joint)
+        for (_, unit, inter_op), joint in zip(batch, results, strict=True):
+            choice = UnitChoice(unit, inter_op, joint)
             if best is None or choice.per_gpu_rps > best.per_gpu_rps:
                 best = choice
         progress(f"algorithm 2: {min(start + batch_size, len(ranked))}/{len(ranked)} pairs "
@@ -158,22 +163,29 @@ def algorithm2(
     return best
 
 
-def _ranked_units(ctx, cluster, k_to_segs, table, min_kv) -> list[tuple[float, Unit, int]]:
-    """Every feasible (bound per GPU, unit, inter_op), best bound first."""
+def _ranked_units(ctx, cluster, inter_op_to_segments, table, min_kv) -> list[tuple[float, Unit, int]]:
+    """Every feasible (bound per GPU, unit, inter_op), best bound first.
+
+    A unit pairs a prefill segment and a decode segment that share each of inter_op
+    nodes; the instance configurations span those nodes (pp = inter_op x the segment's
+    stages). The counts per node balance the two phases' goodputs on one node's GPUs.
+    """
     ranked = []
-    for k, segs in k_to_segs.items():
-        for sp in segs:
-            for sd in segs:
-                cp, cd = (sp[0], k * sp[1]), (sd[0], k * sd[1])
-                if not (_has_kv(ctx, cp, min_kv[0]) and _has_kv(ctx, cd, min_kv[1])):
+    for inter_op, segments in inter_op_to_segments.items():
+        for prefill_segment in segments:
+            for decode_segment in segments:
+                prefill = Config(prefill_segment.tp, inter_op * prefill_segment.pp)
+                decode = Config(decode_segment.tp, inter_op * decode_segment.pp)
+                if not (_has_kv(ctx, prefill, min_kv[0]) and _has_kv(ctx, decode, min_kv[1])):
                     continue
-                n_p, n_d, bound = balance(
-                    table[("prefill", cp)].rate_rps, sp[0] * sp[1],
-                    table[("decode", cd)].rate_rps, sd[0] * sd[1], cluster.gpus_per_node,
+                num_prefill, num_decode, bound_rps = balance(
+                    table[("prefill", prefill)].rate_rps, prefill_segment.num_gpus,
+                    table[("decode", decode)].rate_rps, decode_segment.num_gpus,
+                    cluster.gpus_per_node,
                 )
-                if bound > 0:
-                    unit = Unit(cp, cd, n_p, n_d, ctx.intra_node_bytes_per_s)
-                    ranked.append((bound / unit.num_gpus, unit, k))
+                if bound_rps > 0:
+                    unit = Unit(prefill, decode, num_prefill, num_decode, ctx.intra_node_bytes_per_s)
+                    ranked.append((bound_rps / unit.num_gpus, unit, inter_op))
     ranked.sort(key=lambda item: -item[0])
     return ranked
 

@@ -20,11 +20,11 @@ BASELINES = ("colocated", "chunked_prefill")
 
 def baseline_configs(configs: list[Config], gpus_per_node: int) -> list[Config]:
     """The configurations the baselines try: those within a node, else the smallest."""
-    inside = [c for c in configs if c[0] * c[1] <= gpus_per_node]
+    inside = [c for c in configs if c.num_gpus <= gpus_per_node]
     if inside or not configs:
         return inside
-    smallest = min(c[0] * c[1] for c in configs)
-    return [c for c in configs if c[0] * c[1] == smallest]
+    smallest = min(c.num_gpus for c in configs)
+    return [c for c in configs if c.num_gpus == smallest]
 
 
 def best_baselines(
@@ -49,13 +49,13 @@ def best_baselines(
     for name in BASELINES:
         config = max(
             (c for n, c in contenders if n == name),
-            key=lambda c: results[(name, c)].rate_rps / (c[0] * c[1]),
+            key=lambda c: results[(name, c)].rate_rps / c.num_gpus,
         )
-        gpus = config[0] * config[1]
+        gpus = config.num_gpus
         instances = max(1, num_gpus // gpus)
         goodput = results[(name, config)].rate_rps * instances
         found[name] = BaselineResult(
-            name=name, tp=config[0], pp=config[1], instances=instances,
+            name=name, tp=config.tp, pp=config.pp, instances=instances,
             num_gpus=instances * gpus, goodput_rps=goodput,
             per_gpu_goodput_rps=goodput / (instances * gpus),
             chunk_size=ctx.chunk_size if name == "chunked_prefill" else None,
@@ -66,7 +66,7 @@ def best_baselines(
 def _can_win(key: tuple[str, Config], coarse: dict[tuple[str, Config], Goodput]) -> bool:
     """Whether this configuration's bracket reaches the best lower bound of its engine."""
     def per_gpu(config: Config, rps: float) -> float:
-        return rps / (config[0] * config[1])
+        return rps / config.num_gpus
 
     name, config = key
     best = max(per_gpu(c, g.rate_rps) for (n, c), g in coarse.items() if n == name)

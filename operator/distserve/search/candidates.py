@@ -12,11 +12,23 @@ holding pp / inter_op stages of tp GPUs on one node.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from distserve.catalog import ModelArch
 from distserve.latency import SourceChoice, kv_capacity_tokens
 
-Config = tuple[int, int]  # (tp, pp)
+
+class Config(NamedTuple):
+    """One instance's parallelism (or, under Algorithm 2, one node-level segment's: tp and
+    the pipeline stages on that node)."""
+
+    tp: int  # tensor-parallel degree: GPUs per stage
+    pp: int  # pipeline stages
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs it takes."""
+        return self.tp * self.pp
 
 
 @dataclass(frozen=True)
@@ -64,10 +76,10 @@ def instance_configs(
     """Configurations for Algorithm 1 (and the baselines): anywhere in the cluster."""
     max_gpus = cluster.gpus_per_node * min(cluster.max_nodes_per_instance, cluster.num_nodes)
     return [
-        (tp, pp)
+        Config(tp, pp)
         for tp in tp_degrees(model, cluster.gpus_per_node, latency)
         for pp in pp_degrees(model, max_gpus // tp)
-        if fits(model, accelerator, (tp, pp), min_kv_tokens, profile_path)
+        if fits(model, accelerator, Config(tp, pp), min_kv_tokens, profile_path)
     ]
 
 
@@ -83,7 +95,7 @@ def segment_configs(
         for local_pp in range(1, room // tp + 1):
             pp = inter_op * local_pp
             if model.num_layers % pp == 0 and fits(
-                model, accelerator, (tp, pp), min_kv_tokens, profile_path
+                model, accelerator, Config(tp, pp), min_kv_tokens, profile_path
             ):
-                found.append((tp, local_pp))
+                found.append(Config(tp, local_pp))
     return found

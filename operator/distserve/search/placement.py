@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from distserve.plan import PhaseConfig, SegmentPlacement
-from distserve.search.trials import Unit
+from distserve.search.trials import Config, Unit
 
 
 class ClusterTooSmall(ValueError):
@@ -132,7 +132,7 @@ def place_fixed(
     if is_low_affinity:
         common = math.gcd(prefill.pp, decode.pp)
         for k in (k for k in range(1, min(common, len(node_names)) + 1) if common % k == 0):
-            unit = Unit((prefill.tp, prefill.pp), (decode.tp, decode.pp),
+            unit = Unit(Config(prefill.tp, prefill.pp), Config(decode.tp, decode.pp),
                         prefill.instances, decode.instances, 0.0)
             per_node = (prefill.num_gpus + decode.num_gpus) // k
             if per_node <= gpus_per_node:

@@ -21,7 +21,7 @@ from distserve.latency import Correction, SourceChoice, choose_source
 from distserve.plan import LatencyStats, PhaseConfig, Plan
 from distserve.search.algorithms import UnitChoice, algorithm1, algorithm2
 from distserve.search.baselines import baseline_configs, best_baselines
-from distserve.search.candidates import ClusterShape, instance_configs
+from distserve.search.candidates import ClusterShape, Config, instance_configs
 from distserve.search.cpus import usable_cpus
 from distserve.search.placement import (
     ClusterTooSmall,
@@ -94,7 +94,7 @@ def plan_deployment(
         if overrides.with_baselines and ctx.latency.can_time("colocated"):
             base = best_baselines(
                 pmap, ctx,
-                baseline_configs(configs, per_node) or [(plan.prefill.tp, plan.prefill.pp)],
+                baseline_configs(configs, per_node) or [Config(plan.prefill.tp, plan.prefill.pp)],
                 plan.num_gpus, progress,
             )
         elif overrides.with_baselines:

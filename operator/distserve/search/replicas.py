@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from distserve.plan import PhaseConfig, SegmentPlacement
 from distserve.search.goodput import Goodput
 from distserve.search.placement import ClusterTooSmall, pair_links, place_units
-from distserve.search.trials import SearchContext, Unit, unit_goodput
+from distserve.search.trials import Config, SearchContext, Unit, unit_goodput
 
 MAX_GROWTHS = 4  # re-simulations while the copies fall short of the rate
 
@@ -36,7 +36,7 @@ class Replicated:
 def whole_unit(prefill: PhaseConfig, decode: PhaseConfig, links) -> Unit:
     """The simulated unit of a whole placement (links: [prefill][decode] bytes/s)."""
     return Unit(
-        (prefill.tp, prefill.pp), (decode.tp, decode.pp), prefill.instances,
+        Config(prefill.tp, prefill.pp), Config(decode.tp, decode.pp), prefill.instances,
         decode.instances, tuple(tuple(row) for row in links),
     )
 

@@ -21,6 +21,7 @@ from distserve.latency import (
     kv_capacity_tokens,
     prefill_saturation_tokens,
 )
+from distserve.search.candidates import Config
 from distserve.search.goodput import REL_TOL, Goodput, find_goodput
 from distserve.simulator import (
     SLO,
@@ -33,7 +34,6 @@ from distserve.simulator import (
     simulate_disaggregated,
 )
 
-Config = tuple[int, int]  # (tp, pp) of one instance
 INFINITE_S = float("inf")
 PHASE_REL_TOL = 0.08  # coarse bisection: for ranking candidates, refined where it matters
 # Typical goodput / busy-time capacity (`_phase_capacity`), so that bisection starts
@@ -87,11 +87,7 @@ class Unit:
     @property
     def num_gpus(self) -> int:
         """GPUs the unit takes."""
-        return self.n_prefill * _gpus(self.prefill) + self.n_decode * _gpus(self.decode)
-
-
-def _gpus(config: Config) -> int:
-    return config[0] * config[1]
+        return self.n_prefill * self.prefill.num_gpus + self.n_decode * self.decode.num_gpus
 
 
 def instance_model(ctx: SearchContext, engine: str, config: Config) -> InstanceModel:
