@@ -1,0 +1,134 @@
+"""Length distributions fitted to a Prometheus histogram's binned counts.
+
+The engine exports request lengths as histograms (`vllm:request_prompt_tokens`,
+`vllm:request_generation_tokens`), so the analyzer sees how many requests fell in each
+bucket, never the lengths themselves. A fit here is maximum likelihood on those counts
+with the buckets as censoring intervals: a bucket of `n` requests between bounds `lo`
+and `hi` contributes `n * log(F(hi) - F(lo))`. Lengths are integers and
+`LengthFit.sample` rounds a draw to the nearest integer (at least 1), so the bucket of
+integers `(lo, hi]` is the continuous interval `(lo + 0.5, hi + 0.5]` (the first starts
+at 0); the fit and the sampler agree on what a bucket holds.
+
+Each family of `FAMILIES` (two parameters, location fixed at 0) is fitted, and the one
+of highest likelihood is chosen; with the same number of parameters that is also the
+lowest AIC. A family is started from the moments of a log-normal fitted to the buckets'
+geometric midpoints and refined with Nelder-Mead on the log of its parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from distserve.analyzer.observation import LengthFit
+
+FAMILIES = ("lognorm", "gamma", "weibull_min")
+MIN_PROBABILITY = 1e-300  # a bucket the fit gives no mass costs log(1e-300), not -inf
+
+
+def bucket_intervals(bucket_upper_tokens: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """The continuous (lo, hi] of each bucket: integers `(le_prev, le]` widened by 0.5."""
+    upper = np.asarray(bucket_upper_tokens, dtype=float)
+    hi = np.where(np.isinf(upper), np.inf, upper + 0.5)
+    lo = np.concatenate([[0.0], hi[:-1]])
+    return lo, hi
+
+
+def check_histogram(bucket_upper_tokens: Sequence[float], bucket_counts: Sequence[float]) -> None:
+    """Raise ValueError naming the problem when the buckets cannot be fitted."""
+    upper = np.asarray(bucket_upper_tokens, dtype=float)
+    counts = np.asarray(bucket_counts, dtype=float)
+    if upper.shape != counts.shape or upper.ndim != 1 or len(upper) == 0:
+        raise ValueError(f"histogram: {len(upper)} bucket bounds but {len(counts)} counts")
+    if not np.all(np.diff(upper) > 0) or upper[0] <= 0:
+        raise ValueError(f"histogram: bucket bounds must be positive and increasing, got {upper.tolist()}")
+    if np.any(counts < 0) or not np.all(np.isfinite(counts)):
+        raise ValueError(f"histogram: counts must be finite and >= 0, got {counts.tolist()}")
+
+
+def _dist(family: str, log_params: np.ndarray):
+    import scipy.stats
+
+    shape, scale = np.exp(log_params)
+    return getattr(scipy.stats, family)(shape, loc=0.0, scale=scale)
+
+
+def log_likelihood(family: str, params: Sequence[float], bucket_upper_tokens: Sequence[float],
+                   bucket_counts: Sequence[float]) -> float:
+    """The interval-censored log-likelihood of (shape, scale) on the binned counts."""
+    return _log_likelihood(_dist(family, np.log(params)), *bucket_intervals(bucket_upper_tokens),
+                           np.asarray(bucket_counts, dtype=float))
+
+
+def _log_likelihood(dist, lo: np.ndarray, hi: np.ndarray, counts: np.ndarray) -> float:
+    # NOTE: a bucket's mass is taken from the survival function in the upper tail
+    # and from the CDF below it, so neither end loses it to rounding near 1.
+    upper_tail = lo > dist.median()
+    mass = np.where(upper_tail, dist.sf(lo) - dist.sf(hi), dist.cdf(hi) - dist.cdf(lo))
+    used = counts > 0
+    return float(np.sum(counts[used] * np.log(np.maximum(mass[used], MIN_PROBABILITY))))
+
+
+def _start(family: str, lo: np.ndarray, hi: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """(log shape, log scale) from the buckets' log-midpoints' mean and spread."""
+    top = np.where(np.isinf(hi), np.maximum(lo, 1.0) * 2.0, hi)
+    mid = np.log(np.sqrt(np.maximum(lo, 0.5) * top))
+    mu = float(np.average(mid, weights=counts))
+    sigma = max(math.sqrt(float(np.average((mid - mu) ** 2, weights=counts))), 0.05)
+    mean = math.exp(mu + sigma**2 / 2)
+    cv = math.sqrt(math.expm1(sigma**2))
+    if family == "lognorm":
+        return np.log([sigma, math.exp(mu)])
+    if family == "gamma":
+        shape = 1.0 / cv**2
+        return np.log([shape, mean / shape])
+    if family == "weibull_min":
+        shape = 1.2 / max(sigma, 0.05)  # a Weibull's log has sd ~ 1.28 / shape
+        return np.log([shape, mean / math.gamma(1.0 + 1.0 / shape)])
+    raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
+
+
+def fit_family(family: str, bucket_upper_tokens: Sequence[float],
+               bucket_counts: Sequence[float]) -> tuple[tuple[float, float], float]:
+    """Maximum-likelihood (shape, scale) of one family on the binned counts, and its log-likelihood."""
+    from scipy.optimize import minimize
+
+    check_histogram(bucket_upper_tokens, bucket_counts)
+    lo, hi = bucket_intervals(bucket_upper_tokens)
+    counts = np.asarray(bucket_counts, dtype=float)
+
+    def cost(log_params: np.ndarray) -> float:
+        if np.any(np.abs(log_params) > 30):
+            return math.inf
+        return -_log_likelihood(_dist(family, log_params), lo, hi, counts)
+
+    result = minimize(cost, _start(family, lo, hi, counts), method="Nelder-Mead",
+                      options={"xatol": 1e-6, "fatol": 1e-6, "maxiter": 2000})
+    shape, scale = np.exp(result.x)
+    return (float(shape), float(scale)), -float(result.fun)
+
+
+def fit_lengths(bucket_upper_tokens: Sequence[float], bucket_counts: Sequence[float],
+                families: Sequence[str] = FAMILIES) -> LengthFit | None:
+    """The family of highest likelihood on the binned counts; None when no request was counted."""
+    check_histogram(bucket_upper_tokens, bucket_counts)
+    if float(np.sum(bucket_counts)) <= 0:
+        return None
+    best: tuple[float, str, tuple[float, float]] | None = None
+    for family in families:
+        params, ll = fit_family(family, bucket_upper_tokens, bucket_counts)
+        if best is None or ll > best[0]:
+            best = (ll, family, params)
+    _, family, (shape, scale) = best
+    dist = _dist(family, np.log([shape, scale]))
+    return LengthFit(
+        family=family,
+        params=(shape, 0.0, scale),  # scipy.stats order: shape, loc, scale
+        mean_tokens=float(dist.mean()),
+        p50_tokens=float(dist.ppf(0.5)),
+        p90_tokens=float(dist.ppf(0.9)),
+        bucket_upper_tokens=tuple(float(u) for u in bucket_upper_tokens),
+        bucket_counts=tuple(float(c) for c in bucket_counts),
+    )
