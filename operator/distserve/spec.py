@@ -343,8 +343,3 @@ def _resolve_local_paths(spec: DistServeDeploymentSpec, folder: Path) -> None:
         value = getattr(part, name)
         if value and not Path(value).is_absolute():
             setattr(part, name, str((folder / value).resolve()))
-
-
-def dump_spec(spec: DistServeDeploymentSpec) -> dict[str, Any]:
-    """The spec as a user would write it (camelCase, defaults left out)."""
-    return spec.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)

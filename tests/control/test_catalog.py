@@ -95,11 +95,14 @@ def test_known_models_include_aliases():
     assert "facebook/opt-66b" in names and "opt-66b" in names
 
 
-@pytest.mark.parametrize(
-    "name", ["A100", "a100-80gb", "H100", "h200", "L40S", "cpu", "nvidia_l40s"]
-)
-def test_accelerator_aliases(name):
-    assert get_accelerator(name).peak_flops > 0
+@pytest.mark.parametrize(("alias", "canonical"), [
+    ("A100", "A100-80GB"), ("a100-80gb", "A100-80GB"), ("H100", "H100-80GB"),
+    ("h200", "H200-141GB"), ("L40S", "L40S"), ("nvidia_l40s", "L40S"), ("cpu", "CPU"),
+    (" a100 80gb ", "A100-80GB"),
+])
+def test_accelerator_aliases(alias, canonical):
+    assert get_accelerator(alias) is get_accelerator(canonical)
+    assert get_accelerator(alias).name == canonical
 
 
 def test_accelerators_rank_as_expected():

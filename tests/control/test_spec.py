@@ -129,11 +129,16 @@ def test_crd_schema_is_structural_and_documented():
 
 def test_every_example_is_a_valid_resource():
     schema = crd_schema()
+    checked = []
     for path in sorted((ROOT / "examples").glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc and doc.get("kind") == "DistServeDeployment":
                 parse_manifest(copy.deepcopy(doc))
                 validate_against_crd(doc, schema)
+                checked.append(path.name)
+    # The README's examples: the local default, the cluster example and the paper's settings.
+    assert {"local.yaml", "distserve.yaml", "opt-13b-chatbot.yaml", "opt-66b-chatbot.yaml",
+            "opt-66b-code.yaml", "opt-66b-summarization.yaml", "opt-175b-chatbot.yaml"} <= set(checked)
 
 
 def test_relative_file_paths_are_read_from_the_spec_folder(tmp_path, monkeypatch):

@@ -133,9 +133,3 @@ def condition(status: dict[str, Any] | None, kind: str) -> dict[str, Any] | None
     """One condition of a status, or None."""
     found = [c for c in (status or {}).get("conditions") or [] if c.get("type") == kind]
     return found[0] if found else None
-
-
-def is_condition_true(status: dict[str, Any] | None, kind: str) -> bool:
-    """Whether a condition is present and True."""
-    found = condition(status, kind)
-    return bool(found and found.get("status") == "True")
