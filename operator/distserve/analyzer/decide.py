@@ -1,0 +1,284 @@
+"""The replanning decision: keep the plan, replan, recommend a replan, or decide nothing.
+
+`decide(observation, plan, settings, state, evaluator)` is a pure function of its
+inputs (the evaluator is the planner's deterministic search and simulator, or a fake
+in tests); the operator, `distserve up --replan` and the replanning benchmark call it
+once per interval and pass back the `DecisionState` it returns. In order:
+1. too few requests in the window, or no length histogram: no decision;
+2. the latency model is corrected: per-phase factors fitted on this window (unless a
+   reshuffle fell inside it) are blended into the running correction;
+3. the current plan is simulated on the observed workload at the observed rate times
+   `headroom`; a trigger is a predicted or observed miss of the attainment target, or
+   a shift of rate or length mix against the window the plan was last checked for;
+4. hysteresis: a trigger must persist for `holdSeconds`, and no move is made within
+   `cooldownSeconds` of the last reshuffle;
+5. two candidates, the current shape with more or fewer copies (`scale`) and the
+   search's plan (`search`), are simulated on the same workload; the cheapest that
+   meets the target wins. A miss moves to it; otherwise it must save `minGain` of the
+   GPUs, and more GPU-seconds over the cooldown than its weight loading costs.
+The decision says which kind of change (replicas, ratio, parallelism) and why.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal, Protocol
+
+from distserve.analyzer.observation import Observation
+from distserve.analyzer.replan import Prediction
+from distserve.analyzer.scaling import ChangeKind, change_kind, ratio_text, started_gpus
+from distserve.analyzer.settings import ReplanningSpec
+from distserve.analyzer.shift import ShiftThresholds, ShiftVerdict, is_shifted
+from distserve.latency import Correction
+from distserve.plan import Plan
+
+Action = Literal["keep", "replan", "recommend", "no-decision"]
+CORRECTION_WEIGHT = 0.5  # share of a new window's fitted factor in the running correction
+HISTORY_LENGTH = 20
+
+
+class PlanEvaluator(Protocol):
+    """The search and simulator as the decision uses them (`replan.SearchEvaluator`)."""
+
+    attainment_target: float
+
+    def predict(self, plan: Plan, observation: Observation, rate_rps: float,
+                correction: Correction) -> Prediction:
+        """The plan simulated on the observed workload at rate_rps."""
+        ...
+
+    def fit_correction(self, plan: Plan, observation: Observation) -> Correction | None:
+        """Per-phase latency factors fitted on the window; None without measured latencies."""
+        ...
+
+    def search(self, observation: Observation, rate_rps: float,
+               correction: Correction) -> Plan | None:
+        """The search's plan for the observed workload at rate_rps."""
+        ...
+
+    def scale(self, plan: Plan, observation: Observation, rate_rps: float,
+              correction: Correction) -> Plan | None:
+        """The current shape with as many copies as rate_rps needs."""
+        ...
+
+
+@dataclass(frozen=True)
+class DecisionNumbers:
+    """The figures a decision was taken on (None: not reached or not measured)."""
+
+    num_requests: int
+    observed_rate_rps: float
+    observed_attainment: float | None = None
+    sized_rate_rps: float | None = None  # observed rate x headroom: what plans must serve
+    predicted_attainment: float | None = None  # the current plan at sized_rate_rps
+    new_attainment: float | None = None  # the chosen candidate at sized_rate_rps
+    current_gpus: int | None = None
+    new_gpus: int | None = None
+    gpu_gain: float | None = None  # share of the current GPUs the candidate saves
+    saving_gpu_s: float | None = None  # GPUs saved x the cooldown
+    reshuffle_cost_gpu_s: float | None = None  # GPUs loading weights x reload seconds
+    held_s: float | None = None  # how long the trigger has persisted
+    prefill_factor: float = 1.0
+    decode_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One past decision, as status shows it."""
+
+    end_s: float
+    action: Action
+    kind: ChangeKind | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class DecisionState:
+    """What one decision hands the next."""
+
+    reference: Observation | None = None  # the window the plan was last made or checked for
+    trigger_since_s: float | None = None  # when the current trigger was first seen
+    last_reshuffle_s: float | None = None
+    correction: Correction = Correction()
+    history: tuple[HistoryEntry, ...] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do about one window, why, and the state for the next decision."""
+
+    action: Action
+    reason: str
+    numbers: DecisionNumbers
+    state: DecisionState
+    kind: ChangeKind | None = None  # for replan and recommend: what changes
+    plan: Plan | None = None  # for replan and recommend: the plan to move to
+    verdict: ShiftVerdict | None = None
+
+
+def decide(
+    observation: Observation, plan: Plan, settings: ReplanningSpec, state: DecisionState,
+    evaluator: PlanEvaluator, thresholds: ShiftThresholds | None = None,
+) -> Decision:
+    """Keep, replan, recommend or no decision for this window (see the module docstring)."""
+    numbers = DecisionNumbers(
+        observation.num_requests, observation.arrival_rate_rps, observation.attainment,
+        current_gpus=plan.num_gpus,
+    )
+    if observation.num_requests < settings.min_requests:
+        return _decision("no-decision", f"too few requests: {observation.num_requests} in the "
+                         f"window, {settings.min_requests} needed", numbers, state, observation)
+    if observation.prompt is None or observation.output is None:
+        return _decision("no-decision", "no length histogram in the window", numbers, state,
+                         observation)
+    now_s = observation.end_s
+    state = replace(state, correction=_corrected(state, plan, observation, settings, evaluator))
+    sized_rps = observation.arrival_rate_rps * settings.headroom
+    predicted = evaluator.predict(plan, observation, sized_rps, state.correction)
+    numbers = replace(
+        numbers, sized_rate_rps=sized_rps, predicted_attainment=predicted.attainment,
+        prefill_factor=state.correction.prefill_factor,
+        decode_factor=state.correction.decode_factor,
+    )
+    reference = state.reference or observation
+    verdict = is_shifted(reference, observation, thresholds)
+    miss = _miss(observation, predicted, evaluator.attainment_target)
+    if miss is None and not verdict.is_shifted:
+        return _decision("keep", f"no shift ({verdict.describe()}) and the plan meets the "
+                         f"target (predicted {predicted.attainment:.1%})", numbers,
+                         replace(state, reference=reference, trigger_since_s=None),
+                         observation, verdict=verdict)
+    since_s = now_s if state.trigger_since_s is None else state.trigger_since_s
+    state = replace(state, reference=reference, trigger_since_s=since_s)
+    numbers = replace(numbers, held_s=now_s - since_s)
+    trigger = miss or f"shift ({verdict.describe()})"
+    if state.last_reshuffle_s is not None:
+        left_s = state.last_reshuffle_s + settings.cooldown_seconds - now_s
+        if left_s > 0:
+            return _decision("keep", f"{trigger}, but in cooldown ({left_s:.0f} s left)",
+                             numbers, state, observation, verdict=verdict)
+    if now_s - since_s < settings.hold_seconds:
+        return _decision("keep", f"{trigger}, seen for {now_s - since_s:.0f} s of the "
+                         f"{settings.hold_seconds:.0f} s hold", numbers, state, observation,
+                         verdict=verdict)
+    return _choose(observation, plan, settings, state, evaluator, verdict, miss, numbers)
+
+
+def _choose(
+    observation: Observation, plan: Plan, settings: ReplanningSpec, state: DecisionState,
+    evaluator: PlanEvaluator, verdict: ShiftVerdict, miss: str | None, numbers: DecisionNumbers,
+) -> Decision:
+    """Simulate the candidates and move to the best, or keep (the trigger then resets)."""
+    rate, correction, target = numbers.sized_rate_rps, state.correction, evaluator.attainment_target
+    candidates = [
+        (candidate, evaluator.predict(candidate, observation, rate, correction))
+        for candidate in (
+            evaluator.scale(plan, observation, rate, correction),
+            evaluator.search(observation, rate, correction),
+        )
+        if candidate is not None and change_kind(plan, candidate) is not None
+    ]
+    settled = replace(state, reference=observation, trigger_since_s=None)
+    meeting = [(c, p) for c, p in candidates if p.attainment >= target]
+    if meeting:
+        best, best_prediction = min(meeting, key=lambda cp: (cp[0].num_gpus, started_gpus(plan, cp[0])))
+    elif miss and candidates:
+        best, best_prediction = max(candidates, key=lambda cp: cp[1].attainment)
+        if best_prediction.attainment <= numbers.predicted_attainment:
+            return _decision("keep", f"{miss}, and no plan within the budget does better",
+                             numbers, settled, observation, verdict=verdict)
+    else:
+        why = miss or f"shift ({verdict.describe()})"
+        return _decision("keep", f"{why}, but no other plan meets the target", numbers,
+                         settled, observation, verdict=verdict)
+    saved_gpus = plan.num_gpus - best.num_gpus
+    numbers = replace(
+        numbers, new_attainment=best_prediction.attainment, new_gpus=best.num_gpus,
+        gpu_gain=saved_gpus / plan.num_gpus,
+        saving_gpu_s=saved_gpus * settings.cooldown_seconds,
+        reshuffle_cost_gpu_s=started_gpus(plan, best) * settings.reload_seconds,
+    )
+    if miss is None:
+        worth = _worth_moving(numbers, settings)
+        if worth is not None:
+            return _decision("keep", f"shift ({verdict.describe()}) and the plan still meets "
+                             f"the target; {worth}", numbers, settled, observation,
+                             verdict=verdict)
+        why = (f"a plan of {best.num_gpus} GPUs instead of {plan.num_gpus} meets the target "
+               f"({numbers.gpu_gain:.0%} fewer; saves {numbers.saving_gpu_s:.0f} GPU-s over the "
+               f"cooldown against {numbers.reshuffle_cost_gpu_s:.0f} GPU-s of weight loading)")
+    else:
+        why = f"{miss}; the new plan is predicted to reach {best_prediction.attainment:.1%}"
+    kind = change_kind(plan, best)
+    action = "recommend" if settings.advisory else "replan"
+    moved = replace(settled, last_reshuffle_s=(
+        state.last_reshuffle_s if settings.advisory else observation.end_s
+    ))
+    reason = f"{why}. {_kind_reason(kind, verdict, plan, best)}"
+    return _decision(action, reason, numbers, moved, observation, kind, best, verdict)
+
+
+def _worth_moving(numbers: DecisionNumbers, settings: ReplanningSpec) -> str | None:
+    """Why a cheaper plan is not worth a reshuffle; None when it is."""
+    if numbers.gpu_gain < settings.min_gain:
+        return (f"the best plan saves {numbers.gpu_gain:.0%} of the GPUs, "
+                f"under the {settings.min_gain:.0%} minimum gain")
+    if numbers.saving_gpu_s <= numbers.reshuffle_cost_gpu_s:
+        return (f"saving {numbers.saving_gpu_s:.0f} GPU-s over the cooldown does not pay "
+                f"{numbers.reshuffle_cost_gpu_s:.0f} GPU-s of weight loading")
+    return None
+
+
+def _miss(observation: Observation, predicted: Prediction, target: float) -> str | None:
+    """Why the current plan misses the target (predicted or observed); None when it meets it."""
+    if observation.attainment is not None and observation.attainment < target:
+        return f"observed attainment {observation.attainment:.1%} < {target:.0%}"
+    if predicted.attainment < target:
+        return (f"the plan is predicted to reach {predicted.attainment:.1%} < {target:.0%} "
+                f"at {predicted.rate_rps:.2f} req/s")
+    return None
+
+
+def _kind_reason(kind: ChangeKind, verdict: ShiftVerdict, current: Plan, new: Plan) -> str:
+    """Which change, and why that kind, in words."""
+    change = f"{ratio_text(current)} -> {ratio_text(new)}"
+    if kind == "replicas":
+        why = "same length mix" if not verdict.is_mix_shifted else "the shape still fits"
+        return f"Replicas only ({why}, rate {verdict.rate_change:+.0%}): {change}"
+    mix = ("the length mix shifted" if verdict.is_mix_shifted else "the rate moved")
+    if kind == "ratio":
+        return f"A new prefill:decode ratio ({mix}: {verdict.describe()}): {change}"
+    return f"New parallelism ({mix}: {verdict.describe()}): {change}"
+
+
+def _corrected(state: DecisionState, plan: Plan, observation: Observation,
+               settings: ReplanningSpec, evaluator: PlanEvaluator) -> Correction:
+    """The running correction with this window's fit blended in (geometric mean, weighted);
+    unchanged when the window holds a reshuffle or no measured latencies."""
+    if state.last_reshuffle_s is not None and (
+        observation.end_s - state.last_reshuffle_s < observation.window_s
+    ):
+        return state.correction
+    fitted = evaluator.fit_correction(plan, observation)
+    if fitted is None:
+        return state.correction
+
+    def blend(old: float, new: float) -> float:
+        return math.exp((1 - CORRECTION_WEIGHT) * math.log(old) + CORRECTION_WEIGHT * math.log(new))
+
+    old = state.correction
+    return Correction.clamped(
+        blend(old.prefill_factor, fitted.prefill_factor),
+        blend(old.decode_factor, fitted.decode_factor),
+    )
+
+
+def _decision(
+    action: Action, reason: str, numbers: DecisionNumbers, state: DecisionState,
+    observation: Observation, kind: ChangeKind | None = None, plan: Plan | None = None,
+    verdict: ShiftVerdict | None = None,
+) -> Decision:
+    entry = HistoryEntry(observation.end_s, action, kind, reason)
+    state = replace(state, history=(*state.history, entry)[-HISTORY_LENGTH:])
+    return Decision(action, reason, numbers, state, kind, plan, verdict)

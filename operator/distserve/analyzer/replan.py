@@ -1,0 +1,221 @@
+"""The search and the simulator run on what the analyzer observed, not on the spec's dataset.
+
+A replan asks three questions of one window, all answered by the same simulator that
+made the plan: how would the current plan do on this traffic (`predict`), how far off
+is the latency model, per phase (`fit_correction`), and what would the search choose
+(`search`) or what would more or fewer copies of the current shape do (`scale`).
+The observed workload is the window's fitted length distributions resampled (prompt
+and output drawn independently: a histogram does not say which prompt had which
+output) with gamma arrivals at the window's burstiness.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from distserve.analyzer.observation import Observation
+from distserve.analyzer.scaling import copy_unit, place_copies
+from distserve.catalog import get_model
+from distserve.latency import Correction
+from distserve.plan import Plan
+from distserve.search import NoFeasiblePlan, SearchOverrides, build_context, plan_deployment
+from distserve.search.placement import ClusterTooSmall, pair_links
+from distserve.search.replicas import whole_unit
+from distserve.search.trials import SearchContext, Unit, run_unit, unit_goodput
+from distserve.spec import DistServeDeploymentSpec
+from distserve.workload import LengthSample, Workload
+
+NUM_SAMPLES = 4000  # lengths resampled from a window's fits
+FIT_LOW, FIT_HIGH = 0.5, 2.0  # the bracket a per-phase factor is bisected in
+FIT_STEPS = 6  # bisection steps on log(factor): the bracket narrows to ~2%
+RATE_STEP_DOWN = 1.15  # a rate the cluster cannot hold is retried this much lower
+MAX_STEPS_DOWN = 4
+MAX_GROWTHS = 3  # copies added while the scaled plan is predicted to miss
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A plan simulated on the observed workload at one rate."""
+
+    rate_rps: float
+    attainment: float
+    ttft_p90_s: float
+    tpot_p90_s: float
+
+
+def observed_workload(
+    observation: Observation, max_context_tokens: int, num_samples: int = NUM_SAMPLES,
+    seed: int = 0,
+) -> Workload:
+    """The window's lengths resampled from its fits, with its burstiness as gamma arrivals."""
+    if observation.prompt is None or observation.output is None:
+        raise ValueError("the observation has no length distributions to resample")
+    rng = np.random.default_rng(seed)
+    prompts = observation.prompt.sample(num_samples, rng, max_context_tokens - 1)
+    outputs = observation.output.sample(num_samples, rng, max_context_tokens - 1)
+    outputs = np.maximum(1, np.minimum(outputs, max_context_tokens - prompts))
+    cv = observation.arrival_cv or 1.0
+    arrival = "poisson" if abs(cv - 1.0) < 0.05 else "gamma"
+    return Workload(LengthSample("observed", prompts, outputs), arrival, cv)
+
+
+class SearchEvaluator:
+    """The planner's search and simulator applied to observations, for one spec."""
+
+    def __init__(
+        self, spec: DistServeDeploymentSpec, *, node_names: list[str] | None = None,
+        gpus_per_node: int | None = None, max_gpus: int | None = None,
+    ) -> None:
+        self.spec = spec
+        self.node_names = node_names or [f"node-{i}" for i in range(spec.cluster.nodes or 0)]
+        self.gpus_per_node = gpus_per_node or spec.cluster.gpus_per_node
+        self.max_gpus = max_gpus
+        self.max_context_tokens = get_model(spec.model.name).max_position
+        self._contexts: dict[tuple, SearchContext] = {}
+
+    @property
+    def attainment_target(self) -> float:
+        """The share of requests that must meet the SLOs."""
+        return self.spec.slo.attainment
+
+    def workload(self, observation: Observation) -> Workload:
+        """The observed workload (see `observed_workload`), seeded by the planner's seed."""
+        return observed_workload(
+            observation, self.max_context_tokens, seed=self.spec.planner.seed
+        )
+
+    def context(self, observation: Observation, correction: Correction) -> SearchContext:
+        """The search context of this window and correction (kept for the next question)."""
+        key = (observation.end_s, observation.window_s, observation.num_requests, correction)
+        if key not in self._contexts:
+            if len(self._contexts) > 8:
+                self._contexts.clear()
+            overrides = SearchOverrides(self.workload(observation), correction=correction)
+            self._contexts[key] = build_context(self.spec, overrides)
+        return self._contexts[key]
+
+    def unit_of(self, ctx: SearchContext, plan: Plan) -> Unit:
+        """The plan's instances as one simulated unit, links from where its segments sit."""
+        links = pair_links(plan.segments, ctx.intra_node_bytes_per_s, ctx.inter_node_bytes_per_s)
+        return whole_unit(plan.prefill, plan.decode, links)
+
+    def predict(
+        self, plan: Plan, observation: Observation, rate_rps: float, correction: Correction,
+    ) -> Prediction:
+        """The plan simulated on the observed workload at rate_rps."""
+        ctx = self.context(observation, correction)
+        result = run_unit(ctx, self.unit_of(ctx, plan), rate_rps, None)
+        return Prediction(
+            rate_rps, result.attainment(ctx.slo),
+            result.percentile_s("ttft", 90), result.percentile_s("tpot", 90),
+        )
+
+    def fit_correction(self, plan: Plan, observation: Observation) -> Correction | None:
+        """Per-phase factors under which the plan's simulated TTFT and TPOT p90 match the
+        observed ones at the observed rate; None without measured latencies."""
+        if observation.ttft_p90_s is None or observation.tpot_p90_s is None:
+            return None
+        rate = observation.arrival_rate_rps
+        prefill = self._fit_factor(
+            lambda f: self.predict(plan, observation, rate, Correction(f, 1.0)).ttft_p90_s,
+            observation.ttft_p90_s,
+        )
+        decode = self._fit_factor(
+            lambda f: self.predict(plan, observation, rate, Correction(prefill, f)).tpot_p90_s,
+            observation.tpot_p90_s,
+        )
+        return Correction.clamped(prefill, decode)
+
+    @staticmethod
+    def _fit_factor(simulated_p90_s, observed_p90_s: float) -> float:
+        """The factor whose simulated p90 matches the observed one (bisection on its log;
+        the p90 grows with the factor)."""
+        low, high = math.log(FIT_LOW), math.log(FIT_HIGH)
+        for _ in range(FIT_STEPS):
+            middle = (low + high) / 2
+            value = simulated_p90_s(math.exp(middle))
+            if math.isnan(value) or value > observed_p90_s:
+                high = middle
+            else:
+                low = middle
+        return math.exp((low + high) / 2)
+
+    def search(
+        self, observation: Observation, rate_rps: float, correction: Correction
+    ) -> Plan | None:
+        """The fewest-GPU plan the search finds for the observed workload at rate_rps (or,
+        where the cluster or the GPU budget cannot hold that, at a lower rate); None when
+        nothing fits.
+
+        NOTE: the search maximises goodput per GPU, so its unit may span the whole cluster
+        and serve far more than a low rate needs; searching again with instances limited
+        to fewer nodes finds smaller units, and the cheapest plan serving the rate wins.
+        """
+        workload = self.workload(observation)
+        for step in range(MAX_STEPS_DOWN + 1):
+            overrides = SearchOverrides(
+                workload, rate_rps / RATE_STEP_DOWN**step, correction, with_baselines=False
+            )
+            plans = [plan for span in self._spans() if (plan := self._planned(span, overrides))]
+            if plans:
+                return min(plans, key=lambda plan: (plan.num_gpus, -plan.goodput_rps))
+        return None
+
+    def _spans(self) -> list[int]:
+        """Most nodes per instance to search with: powers of two up to the spec's limit."""
+        limit = self.spec.planner.max_nodes_per_instance or len(self.node_names) or 1
+        spans = [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
+        return sorted({*spans, limit})
+
+    def _planned(self, span: int, overrides: SearchOverrides) -> Plan | None:
+        planner = self.spec.planner.model_copy(update={"max_nodes_per_instance": span})
+        try:
+            plan = plan_deployment(
+                self.spec.model_copy(update={"planner": planner}), node_names=self.node_names,
+                gpus_per_node=self.gpus_per_node, overrides=overrides,
+            )
+        except NoFeasiblePlan:
+            return None
+        if self.max_gpus is not None and plan.num_gpus > self.max_gpus:
+            return None
+        return plan
+
+    def scale(
+        self, plan: Plan, observation: Observation, rate_rps: float, correction: Correction
+    ) -> Plan | None:
+        """The current shape (parallelism and prefill:decode ratio) with as many copies as
+        rate_rps needs on the observed workload, or as many as fit; None when none fits."""
+        ctx = self.context(observation, correction)
+        unit = copy_unit(plan, ctx.intra_node_bytes_per_s)
+        one = unit_goodput(ctx, unit)
+        copies = max(1, math.ceil(rate_rps / one.rate_rps)) if one.rate_rps > 0 else 1
+        best = None
+        for _ in range(MAX_GROWTHS + 1):
+            candidate = self._placed(plan, unit, copies)
+            if candidate is None:
+                return best or self._largest_fitting(plan, unit, copies)
+            best = replace(candidate, goodput_rps=copies * one.rate_rps, rate_rps=rate_rps)
+            if self.predict(best, observation, rate_rps, correction).attainment >= (
+                self.attainment_target
+            ):
+                return best
+            copies += 1
+        return best
+
+    def _placed(self, plan: Plan, unit: Unit, copies: int) -> Plan | None:
+        if self.max_gpus is not None and copies * unit.num_gpus > self.max_gpus:
+            return None
+        try:
+            return place_copies(plan, unit, copies, self.node_names, self.gpus_per_node)
+        except ClusterTooSmall:
+            return None
+
+    def _largest_fitting(self, plan: Plan, unit: Unit, copies: int) -> Plan | None:
+        for fewer in range(copies - 1, 0, -1):
+            placed = self._placed(plan, unit, fewer)
+            if placed is not None:
+                return placed
+        return None

@@ -1,0 +1,177 @@
+"""The replanning decision: hysteresis, cooldown, minimum sample, advisory mode, which kind
+of change and why, the cost of a reshuffle, and the running latency correction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from decision_factories import (
+    LONG_OUTPUT_SHAPE,
+    LONG_SHAPE,
+    SHORT_SHAPE,
+    FakeEvaluator,
+    make_observation,
+    make_plan,
+    shape_of,
+)
+
+from distserve.analyzer.decide import DecisionState, decide
+from distserve.analyzer.settings import ReplanningSpec
+from distserve.latency import Correction
+
+
+def make_settings(**fields) -> ReplanningSpec:
+    values = dict(enabled=True, holdSeconds=300, cooldownSeconds=900, minRequests=200,
+                  headroom=1.2, reloadSeconds=180, minGain=0.15)
+    values.update(fields)
+    return ReplanningSpec.model_validate(values)
+
+
+def run(observations, plan, settings, evaluator, state=None):
+    """Decide on each window in turn, moving to each replanned plan; the decisions."""
+    state = state or DecisionState()
+    decisions = []
+    for observation in observations:
+        decision = decide(observation, plan, settings, state, evaluator)
+        if decision.action == "replan":
+            plan = decision.plan
+        state = decision.state
+        decisions.append(decision)
+    return decisions
+
+
+def test_too_few_requests_is_no_decision():
+    evaluator = FakeEvaluator()
+    observation = make_observation(900, rate_rps=0.1, num_requests=90)
+    decision = decide(observation, make_plan(copies=2), make_settings(), DecisionState(), evaluator)
+    assert decision.action == "no-decision"
+    assert "too few requests: 90" in decision.reason
+    assert decision.state.reference is None and evaluator.searches == 0
+    assert decision.state.history[-1].action == "no-decision"
+
+
+def test_a_shift_moves_only_after_the_hold_time():
+    evaluator = FakeEvaluator()
+    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 8.0, seed=2),
+               make_observation(1500, 8.0, seed=3)]
+    first, held, moved = run(windows, make_plan(copies=2), make_settings(), evaluator)
+    assert first.action == "keep" and "no shift" in first.reason
+    assert held.action == "keep" and "seen for 0 s of the 300 s hold" in held.reason
+    assert moved.action == "replan" and moved.numbers.held_s == 300
+    assert evaluator.searches == 1
+
+
+def test_noise_and_a_passing_blip_do_not_move():
+    evaluator = FakeEvaluator()
+    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 4.0, seed=2),
+               make_observation(1500, 8.0, seed=3), make_observation(1800, 4.0, seed=4),
+               make_observation(2100, 8.0, seed=5)]
+    decisions = run(windows, make_plan(copies=2), make_settings(), evaluator)
+    assert [d.action for d in decisions] == ["keep"] * 5
+    assert decisions[1].state.trigger_since_s is None  # same traffic, other requests
+    assert decisions[3].state.trigger_since_s is None  # the blip passed: the hold restarts
+    assert decisions[4].numbers.held_s == 0
+    assert evaluator.searches == 0
+
+
+def test_cooldown_follows_a_reshuffle():
+    evaluator = FakeEvaluator()
+    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 8.0, seed=2),
+               make_observation(1500, 8.0, seed=3),
+               *(make_observation(t, 8.0, "summarization", seed=t) for t in (1800, 2100, 2400))]
+    decisions = run(windows, make_plan(copies=2), make_settings(), evaluator)
+    assert [d.action for d in decisions] == ["keep", "keep", "replan", "keep", "keep", "replan"]
+    assert "cooldown (600 s left)" in decisions[3].reason
+    assert "cooldown (300 s left)" in decisions[4].reason
+    assert decisions[5].kind == "parallelism" and shape_of(decisions[5].plan) == LONG_SHAPE
+    assert decisions[5].state.last_reshuffle_s == 2400
+
+
+def test_advisory_mode_recommends_and_moves_nothing():
+    evaluator = FakeEvaluator()
+    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 8.0, seed=2),
+               make_observation(1500, 8.0, seed=3)]
+    decisions = run(windows, make_plan(copies=2), make_settings(advisory=True), evaluator)
+    assert decisions[-1].action == "recommend"
+    assert decisions[-1].plan is not None and decisions[-1].plan.num_gpus == 24
+    assert decisions[-1].state.last_reshuffle_s is None  # nothing moved: no cooldown
+
+
+@pytest.mark.parametrize(
+    ("window", "kind", "shape", "words"),
+    [
+        (dict(rate_rps=8.0), "replicas", SHORT_SHAPE, "Replicas only (same length mix"),
+        (dict(output_scale=3.0), "ratio", LONG_OUTPUT_SHAPE, "A new prefill:decode ratio"),
+        (dict(dataset="summarization"), "parallelism", LONG_SHAPE, "New parallelism"),
+    ],
+    ids=["rate", "longer-outputs", "longer-prompts"],
+)
+def test_the_decision_says_which_kind_of_change_and_why(window, kind, shape, words):
+    evaluator = FakeEvaluator()
+    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, **{"rate_rps": 4.0, **window})]
+    _, decision = run(windows, make_plan(copies=2), make_settings(holdSeconds=0), evaluator)
+    assert decision.action == "replan" and decision.kind == kind
+    assert shape_of(decision.plan) == shape
+    assert words in decision.reason
+    if kind != "replicas":
+        assert "the length mix shifted" in decision.reason
+
+
+def test_a_cheaper_plan_moves_when_it_saves_enough():
+    evaluator = FakeEvaluator()
+    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 2.0, seed=2)]
+    _, decision = run(windows, make_plan(copies=4), make_settings(holdSeconds=0), evaluator)
+    assert decision.action == "replan" and decision.kind == "replicas"
+    assert (decision.numbers.current_gpus, decision.numbers.new_gpus) == (32, 8)
+    assert decision.numbers.saving_gpu_s == 24 * 900
+    assert decision.numbers.reshuffle_cost_gpu_s == 0  # fewer copies of the same shape load nothing
+    assert "8 GPUs instead of 32" in decision.reason
+
+
+def test_a_cheaper_plan_under_the_minimum_gain_is_kept():
+    evaluator = FakeEvaluator()
+    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 2.0, seed=2)]
+    _, decision = run(
+        windows, make_plan(copies=4), make_settings(holdSeconds=0, minGain=0.8), evaluator
+    )
+    assert decision.action == "keep" and "saves 75% of the GPUs" in decision.reason
+    assert "under the 80% minimum gain" in decision.reason
+    assert decision.state.trigger_since_s is None  # checked: the hold starts over
+    assert decision.state.reference is windows[1]
+
+
+@pytest.mark.parametrize(("reload_s", "action"), [(600, "replan"), (3600, "keep")])
+def test_weight_loading_must_pay_for_itself_over_the_cooldown(reload_s, action):
+    # 48 GPUs of the long-prompt shape serve short prompts within the target; 16 GPUs of
+    # the short shape would too, but all 16 must load weights first.
+    evaluator = FakeEvaluator()
+    windows = [make_observation(900, 4.0, "summarization", seed=1),
+               make_observation(1200, 4.0, seed=2)]
+    _, decision = run(windows, make_plan(LONG_SHAPE, copies=2),
+                      make_settings(holdSeconds=0, reloadSeconds=reload_s), evaluator)
+    assert decision.action == action
+    assert decision.numbers.saving_gpu_s == 32 * 900
+    assert decision.numbers.reshuffle_cost_gpu_s == 16 * reload_s
+    if action == "keep":
+        assert "does not pay" in decision.reason
+
+
+def test_the_correction_blends_each_window_fit_and_skips_a_reshuffled_window():
+    evaluator = FakeEvaluator(fitted=Correction(2.0, 0.5))
+    plan, settings = make_plan(copies=2), make_settings()
+    decision = decide(make_observation(900, 4.0), plan, settings, DecisionState(), evaluator)
+    assert decision.state.correction.prefill_factor == pytest.approx(math.sqrt(2.0))
+    assert decision.state.correction.decode_factor == pytest.approx(math.sqrt(0.5))
+    assert decision.numbers.prefill_factor == pytest.approx(math.sqrt(2.0))
+    again = decide(make_observation(1200, 4.0), plan, settings, decision.state, evaluator)
+    assert again.state.correction.prefill_factor == pytest.approx(2.0**0.75)
+    reshuffled = DecisionState(last_reshuffle_s=1000.0, correction=Correction(1.1, 1.0))
+    skipped = decide(make_observation(1200, 4.0), plan, settings, reshuffled, evaluator)
+    assert skipped.state.correction == Correction(1.1, 1.0)
+
+
+def test_settings_refuse_a_window_shorter_than_the_interval():
+    with pytest.raises(ValueError, match="windowSeconds"):
+        ReplanningSpec.model_validate({"intervalSeconds": 600, "windowSeconds": 300})
+    assert ReplanningSpec().window_seconds == 900

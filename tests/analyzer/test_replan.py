@@ -1,0 +1,86 @@
+"""The search and simulator on observed traffic: the latency correction, its fit, the
+resampled workload, replica scaling, and a search whose shape follows the length mix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from decision_factories import SHORT_SHAPE, make_observation, make_plan
+
+from distserve.analyzer.replan import SearchEvaluator, observed_workload
+from distserve.analyzer.scaling import change_kind, copy_unit, place_copies, started_gpus
+from distserve.latency import Correction, corrected, get_latency_model
+from distserve.spec import parse_spec
+
+OPT_66B = {
+    "model": {"name": "facebook/opt-66b"},
+    "slo": {"ttftSeconds": 2.5, "tpotSeconds": 0.15, "attainment": 0.9},
+    "cluster": {"nodes": 4, "gpusPerNode": 8, "accelerator": "A100-80GB",
+                "nodeAffinity": "low", "interNodeBandwidthGbps": 25},
+    "planner": {"numRequests": 200, "workers": 1, "maxNodesPerInstance": 1},
+}
+
+
+def make_evaluator() -> SearchEvaluator:
+    return SearchEvaluator(parse_spec(OPT_66B))
+
+
+def placed_plan(evaluator: SearchEvaluator, shape=SHORT_SHAPE, copies: int = 1):
+    plan = make_plan(shape)
+    unit = copy_unit(plan, 1.0)
+    return place_copies(plan, unit, copies, evaluator.node_names, evaluator.gpus_per_node)
+
+
+def test_correction_scales_each_phase_and_leaves_hand_offs():
+    base = get_latency_model("facebook/opt-66b", "A100-80GB", 2, 2)
+    scaled = corrected(base, Correction(1.5, 0.5))
+    assert scaled.prefill_stage_s([512]) == pytest.approx(1.5 * base.prefill_stage_s([512]))
+    assert scaled.decode_stage_s([300] * 8) == pytest.approx(0.5 * base.decode_stage_s([300] * 8))
+    assert scaled.stage_handoff_s(512) == base.stage_handoff_s(512)
+    assert corrected(base, Correction()) is base
+    with pytest.raises(ValueError, match="prefill_factor"):
+        Correction(10.0, 1.0)
+
+
+def test_the_fit_recovers_known_latency_factors():
+    evaluator = make_evaluator()
+    plan = placed_plan(evaluator)
+    window = make_observation(900, 3.0, "chatbot")
+    truth = evaluator.predict(plan, window, 3.0, Correction(1.3, 0.8))
+    measured = make_observation(900, 3.0, "chatbot", ttft_p90_s=truth.ttft_p90_s,
+                                tpot_p90_s=truth.tpot_p90_s)
+    fitted = evaluator.fit_correction(plan, measured)
+    assert fitted.prefill_factor == pytest.approx(1.3, rel=0.08)
+    assert fitted.decode_factor == pytest.approx(0.8, rel=0.08)
+    assert evaluator.fit_correction(plan, window) is None  # no measured latencies
+
+
+def test_the_observed_workload_stays_inside_the_context():
+    window = make_observation(900, 3.0, "summarization")
+    lengths = observed_workload(window, max_context_tokens=2048).lengths
+    assert (lengths.prompt_tokens + lengths.output_tokens).max() <= 2048
+    assert lengths.output_tokens.min() >= 1
+    assert lengths.mean_prompt_tokens == pytest.approx(window.prompt.mean_tokens, rel=0.1)
+
+
+def test_scaling_keeps_the_shape_and_adds_copies_for_the_rate():
+    evaluator = make_evaluator()
+    plan = placed_plan(evaluator)
+    window = make_observation(900, 3.0, "chatbot")
+    one = evaluator.scale(plan, window, 1.0, Correction())
+    more = evaluator.scale(plan, window, 16.0, Correction())
+    assert change_kind(one, more) == "replicas"
+    assert more.prefill.instances > one.prefill.instances
+    assert evaluator.predict(more, window, 16.0, Correction()).attainment >= 0.9
+    assert started_gpus(one, more) == more.num_gpus - one.num_gpus
+
+
+def test_the_search_on_summarization_traffic_picks_another_ratio_than_on_code():
+    evaluator = make_evaluator()
+    ratios = {}
+    for dataset in ("code", "summarization"):
+        plan = evaluator.search(make_observation(900, 3.0, dataset), 3.0, Correction())
+        ratios[dataset] = plan.prefill.num_gpus / plan.decode.num_gpus
+        assert plan.goodput_rps >= 3.0
+    assert ratios["code"] != pytest.approx(ratios["summarization"], rel=0.05)
+    assert np.isfinite(list(ratios.values())).all()
