@@ -11,6 +11,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+from fake_http import FakeServer, reply
 from prometheus_process import PrometheusProcess, free_port
 
 from distserve.analyzer.observe import observe
@@ -141,3 +142,26 @@ def test_observe_raises_when_prometheus_is_down():
         asyncio.run(observe(client, LABELS, window_s=0))
     with pytest.raises(ValueError, match="selector"):
         asyncio.run(observe(client, {}, window_s=60))
+
+
+def garbage_for_range_queries(handler, _n) -> None:
+    """Vector answers to instant queries, garbage to the range query."""
+    if "query_range" in handler.path:
+        reply(handler, 200, b"<html>maintenance</html>", "text/html")
+    else:
+        reply(handler, 200, b'{"status": "success", "data": {"resultType": "vector", "result": []}}')
+
+
+@pytest.mark.parametrize("behave, match", [
+    (lambda h, n: (time.sleep(2), reply(h, 200, b"{}")), "timed out"),
+    (lambda h, n: reply(h, 200, b"not json"), "not JSON"),
+    (garbage_for_range_queries, "not JSON"),
+])
+def test_observe_raises_when_prometheus_is_slow_or_answers_garbage(behave, match):
+    server = FakeServer(behave)
+    try:
+        client = PrometheusClient(server.url, timeout_s=0.3, retries=1, backoff_s=0.05)
+        with pytest.raises(PrometheusError, match=match):
+            asyncio.run(observe(client, LABELS, window_s=60))
+    finally:
+        server.close()

@@ -8,48 +8,15 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from fake_http import FakeServer, reply
 from prometheus_process import PrometheusProcess, free_port
 
 from distserve.analyzer.prometheus import PrometheusClient, PrometheusError
 
 SUCCESS = json.dumps({"status": "success", "data": {"resultType": "vector", "result": [
     {"metric": {"job": "x"}, "value": [1.0, "3"]}]}}).encode()
-
-
-class FakeServer:
-    """An HTTP server on a free port whose answers `behave(handler, num_calls)` writes."""
-
-    def __init__(self, behave) -> None:
-        self.calls = 0
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                outer.calls += 1
-                behave(self, outer.calls)
-
-            def log_message(self, *_) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def reply(handler, status: int, body: bytes, content_type: str = "application/json") -> None:
-    handler.send_response(status)
-    handler.send_header("Content-Type", content_type)
-    handler.send_header("Content-Length", str(len(body)))
-    handler.end_headers()
-    handler.wfile.write(body)
 
 
 @pytest.fixture
