@@ -32,11 +32,23 @@ class ServeRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_s: float = field(default_factory=now_s)
+    # Tokens already generated and streamed to the client: a request resumed after an
+    # instance failed recomputes their KV with the prompt's and continues after them.
+    resume_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
         """Tokens in the prompt."""
         return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens a prefill of this request computes: the prompt and the resumed tokens."""
+        return len(self.prompt_token_ids) + len(self.resume_token_ids)
+
+    def resumed_after(self, token_ids: list[int]) -> ServeRequest:
+        """The same request, to continue after `token_ids` (those already streamed)."""
+        return dataclasses.replace(self, resume_token_ids=list(token_ids))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able document."""
@@ -45,6 +57,7 @@ class ServeRequest:
             "prompt_token_ids": list(self.prompt_token_ids),
             "params": dataclasses.asdict(self.params),
             "arrival_s": self.arrival_s,
+            "resume_token_ids": list(self.resume_token_ids),
         }
 
     @classmethod
@@ -55,6 +68,7 @@ class ServeRequest:
             prompt_token_ids=list(doc["prompt_token_ids"]),
             params=SamplingParams(**doc["params"]),
             arrival_s=float(doc["arrival_s"]),
+            resume_token_ids=list(doc.get("resume_token_ids") or []),
         )
 
 

@@ -8,6 +8,10 @@ got back, so dispatch needs no round trip. Admission refuses a request with 503 
 phase has no healthy instance, and with 429 when too many requests wait for their first
 token.
 
+A request whose instance fails (dies, or its KV pull fails) is resumed: the prompt and
+the tokens already streamed are prefilled again on a live instance and decoding goes on,
+so the client's stream continues with neither a gap nor a repeat.
+
 Peers change at run time (`set_peers`, fed by `server/peers.py` from the settings file):
 a new instance is added at once; one no longer listed, or listed as draining, gets no
 new request while its in-flight ones finish, and is dropped once idle.
@@ -21,15 +25,16 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from distserve_engine.dispatch import Slot, pick_decode, pick_prefill
+from distserve_engine.dispatch import NoInstance, Slot, pick_decode, pick_prefill
 from distserve_engine.health import HealthPoller
 from distserve_engine.interface import InstanceClient, InstanceError
-from distserve_engine.request import ServeRequest, TokenEvent, now_s
+from distserve_engine.request import PrefillOutput, ServeRequest, TokenEvent, now_s
 from distserve_engine.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait
+MAX_RECOVERIES = 3  # times one request is resumed after instance failures before it fails
 ROLES = ("prefill", "decode", "colocated")
 TIMELINE_HISTORY = 2000  # finished timelines kept for /debug/timelines
 
@@ -163,64 +168,117 @@ class Router:
                 self.metrics.observe_request(timeline, self.ttft_slo_s, self.tpot_slo_s)
 
     async def _disaggregated(self, request: ServeRequest, timeline: Timeline) -> AsyncIterator[TokenEvent]:
-        rid, n = request.request_id, request.num_prompt_tokens
-        prefill = pick_prefill(self.prefill)
-        timeline.prefill_instance = prefill.client.name
+        """Prefill, then decode; when an instance fails the request (it died, or the KV
+        pull did), re-prefill the prompt and the tokens streamed so far on a live prefill
+        instance and go on decoding elsewhere, so the stream continues without a gap or a
+        repeat; after MAX_RECOVERIES, or with no instance left, an error event ends it."""
+        rid = request.request_id
+        streamed: list[int] = []  # tokens the client has
+        failures: list[str] = []  # what ended each earlier attempt
+        prefill: Slot | None = None
         decode: Slot | None = None
         is_done = False
-        prefill.take(n)
         try:
-            try:
-                out = await prefill.client.prefill(request)
-            finally:
-                prefill.give_back(n)
-            timeline.prefill_queued_s, timeline.prefill_started_s = out.queued_s, out.started_s
-            timeline.prefill_finished_s = out.finished_s
-            first = TokenEvent(rid, [out.first_token_id], out.finished_s, text=out.first_text,
-                               finish_reason=out.finish_reason)
-            is_done = out.finish_reason is not None
-            yield first
-            if is_done:
-                return
-            decode = pick_decode(self.decode, prefill.node, self.max_decode_batch)
-            timeline.decode_instance = decode.client.name
-            decode.take(n)
-            try:
-                async for event in decode.client.decode(request, out):
-                    if event.queued_s is not None:
-                        timeline.decode_queued_s, timeline.decode_started_s = event.queued_s, event.started_s
-                        timeline.transfer = event.transfer
-                    is_done = event.is_last
-                    yield event
-            finally:
-                decode.give_back(n)
-        except InstanceError as exc:
-            is_done = True
-            await self.health.check(prefill, decode)
-            yield TokenEvent(rid, [], now_s(), error=str(exc))
+            for attempt in range(MAX_RECOVERIES + 1):
+                resumed = request.resumed_after(streamed)
+                try:
+                    prefill, decode = pick_prefill(self.prefill), None
+                    out = await self._prefill_on(prefill, resumed, timeline if not streamed else None)
+                    streamed.append(out.first_token_id)
+                    is_done = out.finish_reason is not None
+                    yield TokenEvent(rid, [out.first_token_id], out.finished_s, text=out.first_text,
+                                     finish_reason=out.finish_reason)
+                    if is_done:
+                        return
+                    decode = pick_decode(self.decode, prefill.node, self.max_decode_batch)
+                    timeline.decode_instance = decode.client.name
+                    async for event in self._decode_on(decode, resumed, out, timeline):
+                        streamed.extend(event.token_ids)
+                        is_done = event.is_last
+                        yield event
+                    return
+                except InstanceError as exc:
+                    await self.health.check(prefill, decode)
+                    if isinstance(exc, NoInstance) or attempt == MAX_RECOVERIES:
+                        is_done = True
+                        yield TokenEvent(rid, [], now_s(), error=_failure(exc, failures))
+                        return
+                    failures.append(str(exc))
+                    log.warning("request %s: %s; resuming after %d tokens", rid, exc, len(streamed))
+                    timeline.num_recoveries += 1
         finally:
             if not is_done:  # the client left: free the KV wherever it is
                 for slot in (prefill, decode):
                     if slot is not None:
                         asyncio.ensure_future(slot.client.cancel(rid))
 
-    async def _colocated(self, request: ServeRequest, timeline: Timeline) -> AsyncIterator[TokenEvent]:
-        rid, n = request.request_id, request.num_prompt_tokens
-        slot = pick_prefill(self.colocated, "colocated")
-        timeline.prefill_instance = timeline.decode_instance = slot.client.name
-        is_done = False
-        slot.take(n)
+    async def _prefill_on(self, slot: Slot, request: ServeRequest, timeline: Timeline | None
+                          ) -> PrefillOutput:
+        """One prefill on `slot`, counted while it runs; the timeline gets the first one's times."""
+        if timeline is not None:
+            timeline.prefill_instance = slot.client.name
+        slot.take(request.num_tokens)
         try:
-            async for event in slot.client.generate(request):
-                if event.queued_s is not None:
-                    timeline.prefill_queued_s, timeline.prefill_started_s = event.queued_s, event.started_s
-                is_done = event.is_last
-                yield event
-        except InstanceError as exc:
-            is_done = True
-            await self.health.check(slot)
-            yield TokenEvent(rid, [], now_s(), error=str(exc))
+            out = await slot.client.prefill(request)
         finally:
-            slot.give_back(n)
-            if not is_done:
+            slot.give_back(request.num_tokens)
+        if timeline is not None:
+            timeline.prefill_queued_s, timeline.prefill_started_s = out.queued_s, out.started_s
+            timeline.prefill_finished_s = out.finished_s
+        return out
+
+    async def _decode_on(self, slot: Slot, request: ServeRequest, prefill: PrefillOutput,
+                         timeline: Timeline) -> AsyncIterator[TokenEvent]:
+        """The decode stream of a prefilled request on `slot`, counted while it runs."""
+        slot.take(request.num_tokens)
+        try:
+            async for event in slot.client.decode(request, prefill):
+                if event.queued_s is not None:
+                    timeline.decode_queued_s, timeline.decode_started_s = event.queued_s, event.started_s
+                    timeline.transfer = event.transfer
+                yield event
+        finally:
+            slot.give_back(request.num_tokens)
+
+    async def _colocated(self, request: ServeRequest, timeline: Timeline) -> AsyncIterator[TokenEvent]:
+        """Both phases on one colocated instance; on its failure, resumed on another."""
+        rid = request.request_id
+        streamed: list[int] = []
+        failures: list[str] = []
+        slot: Slot | None = None
+        is_done = False
+        try:
+            for attempt in range(MAX_RECOVERIES + 1):
+                resumed = request.resumed_after(streamed)
+                try:
+                    slot = pick_prefill(self.colocated, "colocated")
+                    timeline.prefill_instance = timeline.decode_instance = slot.client.name
+                    slot.take(resumed.num_tokens)
+                    try:
+                        async for event in slot.client.generate(resumed):
+                            if event.queued_s is not None and not streamed:
+                                timeline.prefill_queued_s = event.queued_s
+                                timeline.prefill_started_s = event.started_s
+                            streamed.extend(event.token_ids)
+                            is_done = event.is_last
+                            yield event
+                    finally:
+                        slot.give_back(resumed.num_tokens)
+                    return
+                except InstanceError as exc:
+                    await self.health.check(slot)
+                    if isinstance(exc, NoInstance) or attempt == MAX_RECOVERIES:
+                        is_done = True
+                        yield TokenEvent(rid, [], now_s(), error=_failure(exc, failures))
+                        return
+                    failures.append(str(exc))
+                    log.warning("request %s: %s; resuming after %d tokens", rid, exc, len(streamed))
+                    timeline.num_recoveries += 1
+        finally:
+            if not is_done and slot is not None:
                 asyncio.ensure_future(slot.client.cancel(rid))
+
+
+def _failure(exc: InstanceError, failures: list[str]) -> str:
+    """The error a client sees: why the request ended, and what failed it before."""
+    return f"{exc} (after: {'; '.join(failures)})" if failures else str(exc)

@@ -31,6 +31,7 @@ class Timeline:
     finished_s: float | None = None
     finish_reason: str | None = None
     error: str | None = None
+    num_recoveries: int = 0  # times the request was resumed after an instance failed it
 
     @property
     def num_output_tokens(self) -> int:

@@ -13,10 +13,9 @@ interference DistServe removes. Admission reserves KV like the decode instance.
 from __future__ import annotations
 
 from distserve_engine.instance.batch import Admission, DecodeBatch, Running
-from distserve_engine.instance.loop import PromptQueueLoop, Waiting
+from distserve_engine.instance.loop import PromptQueueLoop, Waiting, start_sequence
 from distserve_engine.interface import Runner
 from distserve_engine.request import InstanceLoad, TokenEvent, now_s
-from distserve_engine.sequence import Sequence
 
 
 class ColocatedInstance(PromptQueueLoop):
@@ -49,7 +48,7 @@ class ColocatedInstance(PromptQueueLoop):
         batch: list[Waiting] = []
         num_tokens = 0
         for item in self._waiting:
-            n = item.request.num_prompt_tokens
+            n = item.request.num_tokens
             if batch and num_tokens + n > self.max_prefill_tokens:
                 break
             if not self.admission.can_admit(item.request):
@@ -63,7 +62,7 @@ class ColocatedInstance(PromptQueueLoop):
 
     def _prefill(self, batch: list[Waiting]) -> None:
         started_s = now_s()
-        seqs = [Sequence(w.request.request_id, w.request.prompt_token_ids, w.request.params) for w in batch]
+        seqs = [start_sequence(w.request, self.runner) for w in batch]
         self.runner.prefill(seqs)
         time_s = now_s()
         for item, seq in zip(batch, seqs, strict=True):

@@ -10,6 +10,7 @@ prefilled requests waits in prefill memory (back-pressure) and never stalls deco
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from distserve_engine.sequence import Sequence
 from distserve_engine.transfer import KVFetcher
 
 NUM_TRANSFER_THREADS = 2  # concurrent pulls; more would only share the same link
+KV_PULL_ATTEMPTS = 2  # a pull that fails (timeout, reset) is tried once more ...
+KV_PULL_RETRY_S = 0.2  # ... after this pause
 
 
 @dataclass
@@ -94,13 +97,19 @@ class DecodeInstance(InstanceLoop):
             self._pool.submit(self._pull, incoming)
 
     def _pull(self, incoming: _Incoming) -> None:
-        """Transfer thread: fetch the KV, then hand it to the engine thread."""
-        try:
-            blob, stats = self.fetcher.fetch(incoming.prefill.kv)
-        except Exception as exc:  # noqa: BLE001 - reported to the request, not raised
-            error = f"KV pull from {incoming.prefill.instance} failed: {exc}"
-            self.post(lambda: self._pull_failed(incoming, error))
-            return
+        """Transfer thread: fetch the KV (tried again once after a short pause), then hand
+        it to the engine thread. A pull that still fails ends the request with an error
+        event; the router then recomputes the KV on a live prefill instance."""
+        for attempt in range(KV_PULL_ATTEMPTS):
+            try:
+                blob, stats = self.fetcher.fetch(incoming.prefill.kv)
+                break
+            except Exception as exc:  # noqa: BLE001 - reported to the request, not raised
+                error = f"KV pull from {incoming.prefill.instance} failed: {exc}"
+                if attempt + 1 == KV_PULL_ATTEMPTS or incoming.is_cancelled:
+                    self.post(lambda error=error: self._pull_failed(incoming, error))
+                    return
+                time.sleep(KV_PULL_RETRY_S)
         self.post(lambda: self._ready.append((incoming, blob, stats)))
 
     def _pull_failed(self, incoming: _Incoming, error: str) -> None:
@@ -120,7 +129,7 @@ class DecodeInstance(InstanceLoop):
                 self.fetcher.release(incoming.prefill.kv)
                 continue
             seq = Sequence(rid, incoming.request.prompt_token_ids, incoming.request.params)
-            seq.output_token_ids.append(incoming.prefill.first_token_id)
+            seq.output_token_ids.extend([*incoming.request.resume_token_ids, incoming.prefill.first_token_id])
             seq.resume_detokenizer(incoming.prefill.detokenizer)  # its text already went out
             import_started_s = now_s()
             try:
@@ -172,7 +181,7 @@ class DecodeInstance(InstanceLoop):
             instance=self.name,
             role=self.role,
             num_waiting=len(pending) + len(self._pulling),
-            num_waiting_tokens=sum(p.request.num_prompt_tokens for p in pending),
+            num_waiting_tokens=sum(p.request.num_tokens for p in pending),
             num_running=len(self.batch),
             kv_usage=self.admission.usage,
             is_healthy=self.is_healthy,

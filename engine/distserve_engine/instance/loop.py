@@ -16,9 +16,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distserve_engine.request import InstanceLoad, ServeRequest, TokenEvent, now_s
+from distserve_engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from distserve_engine.interface import Runner
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +145,16 @@ class InstanceLoop:
         raise NotImplementedError
 
 
+def start_sequence(request: ServeRequest, runner: Runner) -> Sequence:
+    """The sequence a prefill computes for `request`: its prompt, then any resumed tokens,
+    whose detokenization is replayed so that the text continues where the client's ends."""
+    seq = Sequence(request.request_id, request.prompt_token_ids, request.params)
+    for token_id in request.resume_token_ids:
+        seq.output_token_ids.append(token_id)
+        runner.check_stop(seq)  # the text of these tokens went out already
+    return seq
+
+
 @dataclass
 class Waiting:
     """A request queued for prefill, and where its events go."""
@@ -179,7 +193,7 @@ class PromptQueueLoop(InstanceLoop):
             instance=self.name,
             role=self.role,
             num_waiting=len(waiting),
-            num_waiting_tokens=sum(w.request.num_prompt_tokens for w in waiting),
+            num_waiting_tokens=sum(w.request.num_tokens for w in waiting),
             is_healthy=self.is_healthy,
             error=self.error,
             **fields,

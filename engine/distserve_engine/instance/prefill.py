@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from distserve_engine.instance.loop import PromptQueueLoop, Waiting
+from distserve_engine.instance.loop import PromptQueueLoop, Waiting, start_sequence
 from distserve_engine.interface import Runner
 from distserve_engine.kv_cache import KVBlob
 from distserve_engine.request import (
@@ -60,7 +60,7 @@ class PrefillInstance(PromptQueueLoop):
         """Prefill the next FCFS batch; hold each request's KV for its decode pull."""
         batch = self._schedule()
         started_s = now_s()
-        seqs = [Sequence(w.request.request_id, w.request.prompt_token_ids, w.request.params) for w in batch]
+        seqs = [start_sequence(w.request, self.runner) for w in batch]
         self.runner.prefill(seqs)
         finished_s = now_s()
         for item, seq in zip(batch, seqs, strict=True):
@@ -74,8 +74,8 @@ class PrefillInstance(PromptQueueLoop):
                     instance=self.name,
                     url=self.url,
                     shm_token=self.shm_token,
-                    num_tokens=seq.num_prompt_tokens,
-                    nbytes=self._kv_nbytes(seq.num_prompt_tokens),
+                    num_tokens=seq.num_cached_tokens,
+                    nbytes=self._kv_nbytes(seq.num_cached_tokens),
                 )
             else:
                 self.runner.free(seq)
@@ -101,7 +101,7 @@ class PrefillInstance(PromptQueueLoop):
         num_blocks = 0
         free_blocks = self.runner.block_manager.num_free_blocks
         for item in self._waiting:
-            n = item.request.num_prompt_tokens
+            n = item.request.num_tokens
             blocks = self._blocks_for(n)
             if batch and num_tokens + n > self.max_prefill_tokens:
                 break
@@ -114,9 +114,9 @@ class PrefillInstance(PromptQueueLoop):
             self._waiting.popleft()
         return batch
 
-    def _blocks_for(self, num_prompt_tokens: int) -> int:
+    def _blocks_for(self, num_tokens: int) -> int:
         # +1: the runner may give the first generated token its slot already.
-        return self.runner.block_manager.num_blocks_for(num_prompt_tokens + 1)
+        return self.runner.block_manager.num_blocks_for(num_tokens + 1)
 
     def _kv_nbytes(self, num_tokens: int) -> int:
         return self.runner.kv_bytes_per_token * num_tokens
@@ -124,7 +124,7 @@ class PrefillInstance(PromptQueueLoop):
     def _has_work(self) -> bool:
         if not self._waiting:
             return False
-        head = self._waiting[0].request.num_prompt_tokens
+        head = self._waiting[0].request.num_tokens
         return self._blocks_for(head) <= self.runner.block_manager.num_free_blocks
 
     def _cancel(self, request_id: str) -> None:

@@ -22,6 +22,8 @@ there raises `ArenaError`, so a decode never runs on zero-filled KV.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import mmap
 import os
 import threading
@@ -93,13 +95,35 @@ def _open_existing(path: Path, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
+def remove_orphaned_arenas() -> list[Path]:
+    """Remove the arenas of decode processes that died without closing them (each live one
+    holds a shared lock on its file); the paths removed."""
+    removed = []
+    for path in SHM_DIR.glob(f"{PREFIX}arena-*"):
+        with contextlib.suppress(OSError), open(path, "rb") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its owner is alive
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 class Arena:
-    """Decode side: ranges of one shared-memory file, each held by one pull until released."""
+    """Decode side: ranges of one shared-memory file, each held by one pull until released.
+
+    The owner holds a shared lock on the file while it lives, so an arena whose process
+    died is found and removed by the next arena made on this /dev/shm.
+    """
 
     def __init__(self, capacity_bytes: int) -> None:
+        remove_orphaned_arenas()
         self.capacity_bytes = capacity_bytes
         self.path = SHM_DIR / f"{PREFIX}arena-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.data = _create(self.path, capacity_bytes)  # sparse until written
+        self._lock_file = open(self.path, "rb")  # noqa: SIM115 - held for the arena's life
+        fcntl.flock(self._lock_file, fcntl.LOCK_SH)
         self._lock = threading.Lock()
         self._request_id_to_range: dict[str, tuple[int, int]] = {}  # offset, size
 
@@ -139,6 +163,7 @@ class Arena:
     def close(self) -> None:
         """Remove the file (processes that mapped it keep their mapping)."""
         self.path.unlink(missing_ok=True)
+        self._lock_file.close()
 
 
 class ArenaWriter:

@@ -9,6 +9,10 @@ Two ways to run those processes: plain child processes
 cluster), each actor running the same server. Everything started is stopped by
 `stop()` (also on Ctrl-C), in reverse order, and the work folder (settings and logs)
 is removed with them.
+
+Once started, a supervisor thread watches the processes: one that dies is started again
+(after 1 s, then twice as long after each death in a row, at most 30 s) on the same port,
+and the router, which polls its instances' health, sends it work again once it serves.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +33,9 @@ import httpx
 
 READY_TIMEOUT_S = 300.0  # loading a model on two shared cores can take a while
 STOP_TIMEOUT_S = 10.0
+SUPERVISE_INTERVAL_S = 0.5
+RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, longest delay
+STABLE_AFTER_S = 60.0  # a process up this long has its backoff reset
 
 
 class LaunchError(RuntimeError):
@@ -96,6 +104,9 @@ class LocalLauncher:
         num_cores = len(os.sched_getaffinity(0)) if pin_cores else 0
         self.procs = plan_processes(settings, self.config_path, host, port, num_cores)
         self._ray = None
+        self.restarts: dict[str, int] = {}  # process name -> times the supervisor restarted it
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -129,14 +140,41 @@ class LocalLauncher:
         self._spawn(router)
         self._wait_ready(router, "/health")
         progress(f"router ready: OpenAI API at http://{self.host}:{self.port}/v1")
+        self._supervisor = threading.Thread(target=self._supervise, args=(progress,),
+                                            name="supervisor", daemon=True)
+        self._supervisor.start()
 
-    def _spawn(self, proc: ServerProcess) -> None:
+    def _supervise(self, progress: Any) -> None:
+        """Restart a process that died, with a backoff per process (see the module's docstring)."""
+        name_to_delay_s: dict[str, float] = {}
+        name_to_started_s = {proc.name: time.monotonic() for proc in self.procs}
+        while not self._stopping.wait(SUPERVISE_INTERVAL_S):
+            for proc in self.procs:
+                if self._stopping.is_set() or proc.handle is None or self._is_alive(proc):
+                    continue
+                if time.monotonic() - name_to_started_s[proc.name] > STABLE_AFTER_S:
+                    name_to_delay_s.pop(proc.name, None)
+                delay_s = name_to_delay_s.get(proc.name, RESTART_BACKOFF_S[0])
+                name_to_delay_s[proc.name] = min(2 * delay_s, RESTART_BACKOFF_S[1])
+                progress(f"{proc.name} exited ({self._exit_code(proc)}); restarting in {delay_s:.0f} s")
+                if self._stopping.wait(delay_s):
+                    return
+                self._spawn(proc, is_restart=True)
+                name_to_started_s[proc.name] = time.monotonic()
+                self.restarts[proc.name] = self.restarts.get(proc.name, 0) + 1
+
+    def _exit_code(self, proc: ServerProcess) -> str:
+        if self._ray is not None:
+            return "actor died"
+        return f"exit code {proc.handle.returncode}"
+
+    def _spawn(self, proc: ServerProcess, is_restart: bool = False) -> None:
         proc.log_path = self.workdir / f"{proc.name}.log"
         if self._ray is not None:
             proc.handle = self._ray.spawn(proc)
             return
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(proc.log_path, "wb") as log:
+        with open(proc.log_path, "ab" if is_restart else "wb") as log:
             proc.handle = subprocess.Popen(
                 [sys.executable, "-m", "distserve_engine.server", *proc.argv],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -166,6 +204,9 @@ class LocalLauncher:
 
     def stop(self) -> None:
         """Stop every process started, router first, then remove the work folder."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=RESTART_BACKOFF_S[1] + 5)
         try:
             for proc in reversed(self.procs):
                 if proc.handle is None:

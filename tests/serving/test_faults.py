@@ -1,0 +1,127 @@
+"""An instance dies under load: no request is lost, and every stream is the one a single
+engine gives (greedy), with neither a repeated nor a missing token.
+
+The deployment runs as `distserve up` runs it (one process per instance, HTTP and shared
+memory between them); an instance is killed with SIGKILL in the middle of a burst of
+streaming requests. Each test reports requests sent, completed, failed with an error and
+lost, and the time until the killed instance's requests went on elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from serving_helpers import make_settings, wait_until
+from test_up import free_port_block
+
+from distserve.local.launcher import LocalLauncher
+
+PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog and", "a b c",
+           "disaggregated prefill and decoding", "tiny model used only in tests"]
+MAX_TOKENS = 48
+NUM_REQUESTS = 10
+
+
+def stream_completion(url: str, prompt: str, first_token: threading.Event | None = None) -> dict:
+    """One greedy streaming completion: its text, or the error event it ended with."""
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    text, error, is_done = "", None, False
+    with httpx.Client(timeout=180) as client, client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"text": "", "error": f"HTTP {r.status_code}", "done": False}
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                is_done = True
+                break
+            doc = json.loads(line[len("data: "):])
+            if "error" in doc:
+                error = doc["error"]["message"]
+                continue
+            text += doc["choices"][0]["text"]
+            if first_token is not None:
+                first_token.set()
+    return {"text": text, "error": error, "done": is_done}
+
+
+def reference_texts(url: str) -> dict[str, str]:
+    return {p: stream_completion(url, p)["text"] for p in PROMPTS}
+
+
+def burst_with_kill(launcher: LocalLauncher, victim: str, expected: dict[str, str]) -> dict:
+    """NUM_REQUESTS concurrent streams; SIGKILL `victim` once streams are under way."""
+    started = threading.Event()
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(NUM_REQUESTS)]
+    with ThreadPoolExecutor(NUM_REQUESTS) as pool:
+        futures = [pool.submit(stream_completion, launcher.url, p, started) for p in prompts]
+        assert started.wait(120), "no stream started"
+        time.sleep(0.5)  # let the victim hold requests mid-stream
+        proc = next(p for p in launcher.procs if p.name == victim)
+        killed_s = time.monotonic()
+        os.kill(proc.handle.pid, signal.SIGKILL)
+        results = [f.result(timeout=300) for f in futures]
+        recovered_s = time.monotonic() - killed_s
+    completed = sum(r["done"] and r["error"] is None for r in results)
+    failed = sum(r["error"] is not None for r in results)
+    lost = len(results) - completed - failed
+    wrong = [(p, r["text"]) for p, r in zip(prompts, results, strict=True)
+             if r["error"] is None and r["text"] != expected[p]]
+    timelines = httpx.get(f"{launcher.url}/debug/timelines", timeout=10).json()
+    resumed = sum(1 for t in timelines if t["num_recoveries"] > 0)
+    report = {"sent": len(results), "completed": completed, "failed": failed, "lost": lost,
+              "resumed": resumed, "wrong": wrong,
+              "seconds_to_finish_after_kill": round(recovered_s, 2)}
+    print(f"\nkill {victim}: {report}")
+    return report
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama) -> dict[str, str]:
+    """Greedy texts from one process serving the tiny model (no failure)."""
+    from serving_helpers import ServerThread
+
+    from distserve_engine.server import assembly
+
+    settings = make_settings(tiny_llama, instances={"colocated": 1})
+    router, instances, runner = assembly.build_in_process(settings)
+    app = assembly.build_frontend_app(settings, router, runner.tokenizer, runner.max_model_len)
+    try:
+        with ServerThread(app) as server:
+            return reference_texts(server.url)
+    finally:
+        for instance in instances:
+            instance.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("instances", "victim"), [
+    ({"prefill": 1, "decode": 2}, "decode-0"),
+    ({"prefill": 2, "decode": 1}, "prefill-0"),
+], ids=["decode-dies", "prefill-dies"])
+def test_instance_killed_under_load_loses_no_request(tiny_llama, expected, instances, victim):
+    settings = make_settings(tiny_llama, instances=instances, max_decode_batch=8).to_dict()
+    with LocalLauncher(settings, port=free_port_block(4)) as launcher:
+        report = burst_with_kill(launcher, victim, expected)
+        assert report["lost"] == 0 and report["wrong"] == []
+        assert report["resumed"] >= 1  # the kill hit requests in flight, which went on elsewhere
+        assert report["completed"] == report["sent"]  # a live instance of each role remained
+        # The launcher restarts the killed instance and the router takes it back.
+        assert wait_until(lambda: launcher.restarts.get(victim, 0) >= 1, timeout_s=60)
+        assert wait_until(lambda: _router_sees_healthy(launcher.url, victim), timeout_s=180)
+        after = stream_completion(launcher.url, PROMPTS[0])
+        assert after["text"] == expected[PROMPTS[0]]
+
+
+def _router_sees_healthy(url: str, instance: str) -> bool:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return any(line.startswith("distserve_instance_healthy{") and f'instance="{instance}"' in line
+               and line.endswith(" 1.0") for line in text.splitlines())
