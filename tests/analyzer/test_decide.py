@@ -52,22 +52,30 @@ def test_too_few_requests_is_no_decision():
 
 
 def test_a_shift_moves_only_after_the_hold_time():
-    evaluator = FakeEvaluator()
-    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 8.0, seed=2),
-               make_observation(1500, 8.0, seed=3)]
-    first, held, moved = run(windows, make_plan(copies=2), make_settings(), evaluator)
+    evaluator = FakeEvaluator()  # 32 GPUs serve 16 req/s: the drop is a shift, not a miss
+    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 2.0, seed=2),
+               make_observation(1500, 2.0, seed=3)]
+    first, held, moved = run(windows, make_plan(copies=4), make_settings(), evaluator)
     assert first.action == "keep" and "no shift" in first.reason
     assert held.action == "keep" and "seen for 0 s of the 300 s hold" in held.reason
     assert moved.action == "replan" and moved.numbers.held_s == 300
     assert evaluator.searches == 1
 
 
+def test_a_miss_moves_without_waiting_for_the_hold():
+    evaluator = FakeEvaluator()  # 16 GPUs serve 8 req/s, less than 1.2 x 8
+    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 8.0, seed=2)]
+    _, moved = run(windows, make_plan(copies=2), make_settings(), evaluator)
+    assert moved.action == "replan" and "predicted to reach" in moved.reason
+    assert moved.numbers.held_s == 0
+
+
 def test_noise_and_a_passing_blip_do_not_move():
     evaluator = FakeEvaluator()
     windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 4.0, seed=2),
-               make_observation(1500, 8.0, seed=3), make_observation(1800, 4.0, seed=4),
-               make_observation(2100, 8.0, seed=5)]
-    decisions = run(windows, make_plan(copies=2), make_settings(), evaluator)
+               make_observation(1500, 2.0, seed=3), make_observation(1800, 4.0, seed=4),
+               make_observation(2100, 2.0, seed=5)]
+    decisions = run(windows, make_plan(copies=4), make_settings(), evaluator)
     assert [d.action for d in decisions] == ["keep"] * 5
     assert decisions[1].state.trigger_since_s is None  # same traffic, other requests
     assert decisions[3].state.trigger_since_s is None  # the blip passed: the hold restarts
@@ -78,20 +86,30 @@ def test_noise_and_a_passing_blip_do_not_move():
 def test_cooldown_follows_a_reshuffle():
     evaluator = FakeEvaluator()
     windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 8.0, seed=2),
-               make_observation(1500, 8.0, seed=3),
-               *(make_observation(t, 8.0, "summarization", seed=t) for t in (1800, 2100, 2400))]
+               *(make_observation(t, 8.0, "summarization", seed=t) for t in (1500, 1800, 2100))]
     decisions = run(windows, make_plan(copies=2), make_settings(), evaluator)
-    assert [d.action for d in decisions] == ["keep", "keep", "replan", "keep", "keep", "replan"]
-    assert "cooldown (600 s left)" in decisions[3].reason
-    assert "cooldown (300 s left)" in decisions[4].reason
-    assert decisions[5].kind == "parallelism" and shape_of(decisions[5].plan) == LONG_SHAPE
-    assert decisions[5].state.last_reshuffle_s == 2400
+    assert [d.action for d in decisions] == ["keep", "replan", "keep", "keep", "replan"]
+    assert "cooldown (600 s left)" in decisions[2].reason
+    assert "cooldown (300 s left)" in decisions[3].reason
+    assert decisions[4].kind == "parallelism" and shape_of(decisions[4].plan) == LONG_SHAPE
+    assert decisions[4].state.last_reshuffle_s == 2100
+
+
+def test_a_window_holding_a_reshuffle_is_not_judged_on_its_attainment():
+    evaluator = FakeEvaluator()
+    state = DecisionState(reference=make_observation(900, 4.0, seed=1), last_reshuffle_s=1000.0)
+    loading = make_observation(1200, 4.0, seed=2, attainment=0.5)
+    decision = decide(loading, make_plan(copies=2), make_settings(), state, evaluator)
+    assert decision.action == "keep" and "no shift" in decision.reason
+    after = make_observation(2100, 4.0, seed=3, attainment=0.5)  # loading ended at 1180
+    decision = decide(after, make_plan(copies=2), make_settings(cooldownSeconds=0), state,
+                      evaluator)
+    assert "observed attainment 50.0% < 90%" in decision.reason
 
 
 def test_advisory_mode_recommends_and_moves_nothing():
     evaluator = FakeEvaluator()
-    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 8.0, seed=2),
-               make_observation(1500, 8.0, seed=3)]
+    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 8.0, seed=2)]
     decisions = run(windows, make_plan(copies=2), make_settings(advisory=True), evaluator)
     assert decisions[-1].action == "recommend"
     assert decisions[-1].plan is not None and decisions[-1].plan.num_gpus == 24

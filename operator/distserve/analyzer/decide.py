@@ -10,8 +10,10 @@ once per interval and pass back the `DecisionState` it returns. In order:
 3. the current plan is simulated on the observed workload at the observed rate times
    `headroom`; a trigger is a predicted or observed miss of the attainment target, or
    a shift of rate or length mix against the window the plan was last checked for;
-4. hysteresis: a trigger must persist for `holdSeconds`, and no move is made within
-   `cooldownSeconds` of the last reshuffle;
+4. hysteresis: a shift must persist for `holdSeconds` (a miss does not wait: requests
+   are failing now), and no move is made within `cooldownSeconds` of the last
+   reshuffle; a window that holds a reshuffle is not judged on its observed attainment
+   (its weight loading, not the plan, is what it measured);
 5. two candidates, the current shape with more or fewer copies (`scale`) and the
    search's plan (`search`), are simulated on the same workload; the cheapest that
    meets the target wins. A miss moves to it; otherwise it must save `minGain` of the
@@ -143,7 +145,8 @@ def decide(
     )
     reference = state.reference or observation
     verdict = is_shifted(reference, observation, thresholds)
-    miss = _miss(observation, predicted, evaluator.attainment_target)
+    observed = None if _holds_reshuffle(state, observation, settings) else observation.attainment
+    miss = _miss(observed, predicted, evaluator.attainment_target)
     if miss is None and not verdict.is_shifted:
         return _decision("keep", f"no shift ({verdict.describe()}) and the plan meets the "
                          f"target (predicted {predicted.attainment:.1%})", numbers,
@@ -158,7 +161,7 @@ def decide(
         if left_s > 0:
             return _decision("keep", f"{trigger}, but in cooldown ({left_s:.0f} s left)",
                              numbers, state, observation, verdict=verdict)
-    if now_s - since_s < settings.hold_seconds:
+    if miss is None and now_s - since_s < settings.hold_seconds:
         return _decision("keep", f"{trigger}, seen for {now_s - since_s:.0f} s of the "
                          f"{settings.hold_seconds:.0f} s hold", numbers, state, observation,
                          verdict=verdict)
@@ -230,10 +233,20 @@ def _worth_moving(numbers: DecisionNumbers, settings: ReplanningSpec) -> str | N
     return None
 
 
-def _miss(observation: Observation, predicted: Prediction, target: float) -> str | None:
+def _holds_reshuffle(
+    state: DecisionState, observation: Observation, settings: ReplanningSpec
+) -> bool:
+    """Whether the last reshuffle's weight loading overlaps the observation's window."""
+    return state.last_reshuffle_s is not None and (
+        observation.end_s - observation.window_s
+        < state.last_reshuffle_s + settings.reload_seconds
+    )
+
+
+def _miss(observed_attainment: float | None, predicted: Prediction, target: float) -> str | None:
     """Why the current plan misses the target (predicted or observed); None when it meets it."""
-    if observation.attainment is not None and observation.attainment < target:
-        return f"observed attainment {observation.attainment:.1%} < {target:.0%}"
+    if observed_attainment is not None and observed_attainment < target:
+        return f"observed attainment {observed_attainment:.1%} < {target:.0%}"
     if predicted.attainment < target:
         return (f"the plan is predicted to reach {predicted.attainment:.1%} < {target:.0%} "
                 f"at {predicted.rate_rps:.2f} req/s")
@@ -256,9 +269,7 @@ def _corrected(state: DecisionState, plan: Plan, observation: Observation,
                settings: ReplanningSpec, evaluator: PlanEvaluator) -> Correction:
     """The running correction with this window's fit blended in (geometric mean, weighted);
     unchanged when the window holds a reshuffle or no measured latencies."""
-    if state.last_reshuffle_s is not None and (
-        observation.end_s - state.last_reshuffle_s < observation.window_s
-    ):
+    if _holds_reshuffle(state, observation, settings):
         return state.correction
     fitted = evaluator.fit_correction(plan, observation)
     if fitted is None:

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Literal
 
 from distserve.plan import PhaseConfig, Plan
+from distserve.search.candidates import Config
 from distserve.search.placement import place_instances, place_units
 from distserve.search.trials import Unit
 
@@ -24,7 +25,7 @@ def copy_unit(plan: Plan, link_bytes_per_s: float) -> Unit:
     """The smallest unit with the plan's parallelism and prefill:decode ratio."""
     common = math.gcd(plan.prefill.instances, plan.decode.instances) or 1
     return Unit(
-        (plan.prefill.tp, plan.prefill.pp), (plan.decode.tp, plan.decode.pp),
+        Config(plan.prefill.tp, plan.prefill.pp), Config(plan.decode.tp, plan.decode.pp),
         plan.prefill.instances // common, plan.decode.instances // common, link_bytes_per_s,
     )
 

@@ -1,0 +1,305 @@
+"""Replanning under a day of shifting traffic: static plan vs replica-only autoscaling vs decide().
+
+OPT-66B on 4 nodes x 8 A100-80GB (the paper's setting, low node affinity), one SLO for
+the whole day (the chatbot's: TTFT 2.5 s, TPOT 0.15 s, 90%). The traffic
+(`replan_traffic.py`) swings 3x in rate, shifts code -> summarization and chatbot ->
+summarization, and bursts once. Every interval each strategy looks at the last window
+(histogram buckets -> fitted lengths, as the analyzer sees Prometheus) and may move:
+(a) static: the plan for the morning's code traffic sized for the day's peak, never moved;
+(b) replica-only (the peers' method): the same parallelism and prefill:decode ratio,
+    copies sized for the observed rate on the observed workload;
+(c) replanning: `analyzer.decide` (hold, cooldown, minimum gain, weight-loading cost).
+A move costs `--reload-s` of weight loading per step, as the incremental reshuffle
+does it: new instances start first where free GPUs allow (the old plan serves
+meanwhile, one step); the rest start one at a time, each on the GPUs of an old instance
+drained for it, so that the old plan less one instance serves for as many steps as
+that takes (capacity never drops below a plan minus one instance; the new instances
+that are already up are not counted: a pessimistic simplification). Each interval's
+requests are simulated on what served them (from empty queues).
+
+Run: python benchmarks/replan.py --plot replan.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from replan_traffic import APPS, Seen, Traffic, make_traffic, mix_at, observe
+
+from distserve.analyzer.decide import DecisionState, decide
+from distserve.analyzer.replan import SearchEvaluator
+from distserve.analyzer.scaling import ratio_text, started_gpus
+from distserve.analyzer.settings import ReplanningSpec
+from distserve.catalog import get_model
+from distserve.latency import Correction
+from distserve.plan import PhaseConfig, Plan
+from distserve.search import SearchOverrides, build_context, plan_deployment
+from distserve.search.placement import pair_links
+from distserve.search.replicas import whole_unit
+from distserve.search.trials import instance_model, prefill_tokens
+from distserve.simulator import Trace, TransferModel, simulate_disaggregated
+from distserve.spec import parse_spec
+
+SPEC = {
+    "model": {"name": "facebook/opt-66b"},
+    "slo": {"ttftSeconds": 2.5, "tpotSeconds": 0.15, "attainment": 0.9},
+    "workload": {"dataset": "code"},
+    "cluster": {"nodes": 4, "gpusPerNode": 8, "accelerator": "A100-80GB",
+                "nodeAffinity": "low", "interNodeBandwidthGbps": 25},
+}
+
+
+@dataclass
+class Strategy:
+    """One way of running the day: its plan now and what it did so far."""
+
+    name: str
+    plan: Plan
+    attainment: list[float] = field(default_factory=list)  # per interval
+    gpus: list[float] = field(default_factory=list)  # time-weighted per interval
+    reshuffles: int = 0
+    state: DecisionState = field(default_factory=DecisionState)
+    last_move_s: float = -1e18
+    transition: Plan | None = None  # what serves while a move loads weights
+    transition_until_s: float = 0.0
+    transition_gpus: int = 0  # GPUs held meanwhile
+    ttft_s: np.ndarray | None = None  # per request of the day, NaN until served
+    tpot_s: np.ndarray | None = None
+
+
+def main() -> None:
+    args = parse_args()
+    started, load_before = time.monotonic(), os.getloadavg()
+    planner = {"numRequests": args.num_requests, "workers": args.workers, "seed": args.seed}
+    spec = parse_spec({**SPEC, "planner": planner})
+    settings = ReplanningSpec.model_validate({
+        "enabled": True, "intervalSeconds": args.interval_s, "windowSeconds": args.window_s,
+        "holdSeconds": args.hold_s, "cooldownSeconds": args.cooldown_s,
+        "reloadSeconds": args.reload_s, "minGain": args.min_gain, "headroom": args.headroom,
+        "maxGpus": 32})
+    day_s = args.hours * 3600
+    traffic = make_traffic(day_s, args.base_rps, args.seed)
+    print_settings(args, spec, settings, traffic)
+    evaluator = SearchEvaluator(spec, max_gpus=settings.max_gpus)
+    peak_rps = 3 * args.base_rps * settings.headroom
+    initial = plan_deployment(spec.model_copy(update={"workload": spec.workload.model_copy(
+        update={"rate_rps": peak_rps})}), overrides=SearchOverrides(with_baselines=False))
+    print(f"initial plan (code at {peak_rps:.1f} req/s): {ratio_text(initial)}, "
+          f"{initial.num_gpus} GPUs", flush=True)
+    strategies = [Strategy(name, initial) for name in ("static", "replica-only", "replanning")]
+    for s in strategies:
+        s.ttft_s = np.full(len(traffic.arrival_s), np.nan)
+        s.tpot_s = np.full(len(traffic.arrival_s), np.nan)
+    truth = build_context(spec, SearchOverrides(correction=Correction(
+        args.true_prefill_factor, args.true_decode_factor)))
+    max_len = get_model(spec.model.name).max_position
+    num_intervals = int(day_s // args.interval_s)
+    for k in range(num_intervals):
+        start_s, end_s = k * args.interval_s, (k + 1) * args.interval_s
+        if k > 0:
+            move(strategies, traffic, start_s, settings, evaluator, max_len, spec)
+        for s in strategies:
+            serve(s, traffic, start_s, end_s, truth)
+        print_interval(k, start_s, args.interval_s, day_s, traffic, strategies)
+    print_summary(strategies, spec.slo.attainment, args.interval_s)
+    print(f"load average: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} at "
+          f"the start, {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end; run time "
+          f"{time.monotonic() - started:.0f} s on {len(os.sched_getaffinity(0))} cores")
+    if args.plot:
+        plot(args.plot, strategies, args.interval_s, spec.slo.attainment)
+
+
+def move(strategies, traffic: Traffic, now_s: float, settings, evaluator, max_len, spec) -> None:
+    """Each adaptive strategy looks at the last window and may change its plan."""
+    seen = {}
+    for s in strategies:
+        index = traffic.between(max(0.0, now_s - settings.window_seconds), now_s)
+        seen[s.name] = Seen(s.ttft_s[index], s.tpot_s[index])
+    slo = build_context(spec).slo
+    observation = observe(traffic, now_s, settings.window_seconds, max_len, None, slo)
+    for s in strategies:
+        if s.name == "static":
+            continue
+        seen_obs = observe_latencies(observation, seen[s.name], slo)
+        if s.name == "replica-only":
+            new = replica_only(s, seen_obs, now_s, settings, evaluator)
+        else:
+            decision = decide(seen_obs, s.plan, settings, s.state, evaluator)
+            s.state = decision.state
+            new = decision.plan if decision.action == "replan" else None
+            if decision.action != "keep" or decision.kind:
+                print(f"    (c) {decision.action} {decision.kind or ''}: {decision.reason}")
+        if new is not None:
+            serving, duration_s, held = transition(s.plan, new, 32, settings.reload_seconds)
+            s.transition, s.transition_until_s, s.transition_gpus = (
+                serving, now_s + duration_s, held)
+            s.plan, s.reshuffles, s.last_move_s = new, s.reshuffles + 1, now_s
+
+
+def observe_latencies(observation, seen: Seen, slo):
+    """The shared traffic observation with one deployment's served latencies."""
+    finite_ttft, finite_tpot = seen.ttft_s[np.isfinite(seen.ttft_s)], seen.tpot_s[np.isfinite(seen.tpot_s)]
+    with np.errstate(invalid="ignore"):
+        ok = (seen.ttft_s <= slo.ttft_s) & (seen.tpot_s <= slo.tpot_s)
+    return replace(
+        observation, attainment=float(ok.mean()) if len(ok) else None,
+        ttft_p90_s=float(np.percentile(finite_ttft, 90)) if len(finite_ttft) else None,
+        tpot_p90_s=float(np.percentile(finite_tpot, 90)) if len(finite_tpot) else None,
+    )
+
+
+def replica_only(s: Strategy, observation, now_s: float, settings, evaluator) -> Plan | None:
+    """Copies of the same shape for the observed rate; down only after the cooldown."""
+    if observation.num_requests < settings.min_requests:
+        return None
+    rate = observation.arrival_rate_rps * settings.headroom
+    new = evaluator.scale(s.plan, observation, rate, Correction())
+    if new is None or new.num_gpus == s.plan.num_gpus:
+        return None
+    if new.num_gpus < s.plan.num_gpus and now_s - s.last_move_s < settings.cooldown_seconds:
+        return None
+    return new
+
+
+def serve(s: Strategy, traffic: Traffic, start_s, end_s, truth) -> None:
+    """Simulate the interval's requests on what served them; record attainment and GPUs."""
+    split_s = min(end_s, max(start_s, s.transition_until_s))
+    if split_s > start_s:
+        simulate(s, s.transition, traffic, traffic.between(start_s, split_s), start_s, truth)
+    simulate(s, s.plan, traffic, traffic.between(split_s, end_s), split_s, truth)
+    gpus_s = s.transition_gpus * (split_s - start_s) + s.plan.num_gpus * (end_s - split_s)
+    index = traffic.between(start_s, end_s)
+    slo = truth.slo
+    with np.errstate(invalid="ignore"):
+        ok = (s.ttft_s[index] <= slo.ttft_s) & (s.tpot_s[index] <= slo.tpot_s)
+    s.attainment.append(float(ok.mean()) if len(ok) else 1.0)
+    s.gpus.append(gpus_s / (end_s - start_s))
+
+
+def transition(old: Plan, new: Plan, cluster_gpus: int, reload_s: float) -> tuple[Plan, float, int]:
+    """What serves while a move loads weights, for how long, and the GPUs held meanwhile."""
+    free = cluster_gpus - old.num_gpus
+    waiting = 0  # new instances that must wait for an old one to drain
+    for role in ("prefill", "decode"):
+        a, b = getattr(old, role), getattr(new, role)
+        kept = a.instances if (a.tp, a.pp) == (b.tp, b.pp) else 0
+        for _ in range(max(0, b.instances - kept)):
+            if b.gpus_per_instance <= free:
+                free -= b.gpus_per_instance
+            else:
+                waiting += 1
+    if waiting == 0:
+        return old, reload_s, old.num_gpus + started_gpus(old, new)
+    larger = "prefill" if old.prefill.instances >= old.decode.instances else "decode"
+    phase = getattr(old, larger)
+    if phase.instances > 1:
+        fewer = PhaseConfig(phase.tp, phase.pp, phase.instances - 1)
+        segments = tuple(seg for seg in old.segments
+                         if seg.role != larger or seg.instance < fewer.instances)
+        old = replace(old, segments=segments, **{larger: fewer})
+    return old, waiting * reload_s, max(old.num_gpus, new.num_gpus)
+
+
+def simulate(
+    s: Strategy, plan: Plan, traffic: Traffic, index: np.ndarray, start_s: float, truth
+) -> None:
+    """These requests served by plan, from empty queues."""
+    if len(index) == 0:
+        return
+    trace = Trace(traffic.arrival_s[index] - start_s, traffic.prompt_tokens[index],
+                  traffic.output_tokens[index])
+    links = pair_links(plan.segments, truth.intra_node_bytes_per_s, truth.inter_node_bytes_per_s)
+    unit = whole_unit(plan.prefill, plan.decode, links)
+    result = simulate_disaggregated(
+        trace, [instance_model(truth, "disaggregated", unit.prefill)] * unit.n_prefill,
+        [instance_model(truth, "disaggregated", unit.decode)] * unit.n_decode,
+        transfer=TransferModel(get_model(truth.model).kv_bytes_per_token, unit.link_bytes_per_s),
+        max_prefill_tokens=prefill_tokens(truth, unit.prefill),
+        max_decode_batch=truth.max_decode_batch,
+    )
+    s.ttft_s[index], s.tpot_s[index] = result.ttft_s, result.tpot_s
+
+
+def print_settings(args, spec, settings, traffic: Traffic) -> None:
+    print(f"replan: OPT-66B on 4 x 8 A100-80GB, SLO TTFT {spec.slo.ttft_seconds} s TPOT "
+          f"{spec.slo.tpot_seconds} s for {spec.slo.attainment:.0%}; {args.hours} h, "
+          f"{len(traffic.arrival_s)} requests, base {args.base_rps} req/s (3x at noon, one 2x "
+          f"burst), seed {args.seed}")
+    print(f"  interval {settings.interval_seconds:.0f} s, window {settings.window_seconds:.0f} s, "
+          f"hold {settings.hold_seconds:.0f} s, cooldown {settings.cooldown_seconds:.0f} s, "
+          f"reload {settings.reload_seconds:.0f} s, min gain {settings.min_gain:.0%}, headroom "
+          f"{settings.headroom}, budget {settings.max_gpus} GPUs; search: "
+          f"{spec.planner.num_requests} requests per trial, {spec.planner.workers} workers; "
+          f"true latency = model x (prefill {args.true_prefill_factor}, decode "
+          f"{args.true_decode_factor})", flush=True)
+
+
+def print_interval(
+    k: int, start_s: float, interval_s: float, day_s: float, traffic: Traffic, strategies
+) -> None:
+    mix = mix_at(start_s / day_s)
+    mix_text = "/".join(f"{m:.0%}" for m in mix)
+    cells = " | ".join(
+        f"{s.name[:7]:<7} {s.attainment[-1]:6.1%} {s.gpus[-1]:4.1f} GPUs" for s in strategies
+    )
+    rate_rps = len(traffic.between(start_s, start_s + interval_s)) / interval_s
+    print(f"  window {k:2d} t={start_s / 60:4.0f} min {rate_rps:4.1f} req/s mix "
+          f"{'/'.join(a[:4] for a in APPS)} {mix_text:<12} | {cells}", flush=True)
+
+
+def print_summary(strategies, target: float, interval_s: float) -> None:
+    for label, s in zip("abc", strategies, strict=True):
+        meeting = sum(a >= target for a in s.attainment)
+        gpu_hours = sum(s.gpus) * interval_s / 3600
+        print(f"({label}) {s.name:<12} windows meeting the target {meeting}/{len(s.attainment)} "
+              f"({meeting / len(s.attainment):.1%}); GPU-hours {gpu_hours:.1f}; reshuffles "
+              f"{s.reshuffles}; final plan {ratio_text(s.plan)} ({s.plan.num_gpus} GPUs)")
+
+
+def plot(path: str, strategies, interval_s: float, target: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for s in strategies:
+        minutes = np.arange(len(s.attainment)) * interval_s / 60
+        top.step(minutes, s.attainment, where="post", label=s.name)
+        bottom.step(minutes, s.gpus, where="post", label=s.name)
+    top.axhline(target, color="grey", linestyle="--", label="target")
+    top.set_ylabel("SLO attainment per window")
+    bottom.set_ylabel("GPUs")
+    bottom.set_xlabel("minutes")
+    top.legend(loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hours", type=float, default=2.5)
+    parser.add_argument("--base-rps", type=float, default=2.0)
+    parser.add_argument("--interval-s", type=float, default=300)
+    parser.add_argument("--window-s", type=float, default=900)
+    parser.add_argument("--hold-s", type=float, default=300)
+    parser.add_argument("--cooldown-s", type=float, default=900)
+    parser.add_argument("--reload-s", type=float, default=180)
+    parser.add_argument("--min-gain", type=float, default=0.15)
+    parser.add_argument("--headroom", type=float, default=1.2)
+    parser.add_argument("--num-requests", type=int, default=300)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--true-prefill-factor", type=float, default=1.0)
+    parser.add_argument("--true-decode-factor", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default=None, help="write a PNG of attainment and GPUs")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    main()
