@@ -158,6 +158,10 @@ class PlannerSpec(SpecModel):
     max_nodes_per_instance: int | None = Field(
         default=None, ge=1, description="Most nodes one instance may span (default: all)."
     )
+    max_gpus: int | None = Field(
+        default=None, ge=1, description="Most GPUs the plan may take (default: the whole "
+        "cluster); a rate that needs more gets the best plan within them."
+    )
     num_requests: int = Field(
         default=400, ge=50, le=100000, description="Requests simulated per trial."
     )
