@@ -163,7 +163,8 @@ class ModelRunner:
         if state.is_last_stage:
             self.last_logits = self.model.compute_logits(hidden[meta.logits_index])  # (B, V)
             steps = [len(s.output_token_ids) for s in seqs]
-            token_ids = self.sampler(self.last_logits, [s.params for s in seqs], steps)
+            token_ids = self.sampler(self.last_logits, [s.params for s in seqs], steps,
+                                     [s.output_token_ids for s in seqs])
         else:
             send_to_next_stage(hidden, state)
         token_ids = broadcast_tokens(token_ids, state, self.device)

@@ -1,7 +1,10 @@
 """Sampling parameters and the batched sampler that turns logits into next tokens.
 
-The sampler treats a batch at once: temperature, top-k and top-p are tensor ops over
-(B, V). A request with a seed gets noise from a generator seeded by (seed, step), so
+The sampler treats a batch at once: penalties, temperature, top-k and top-p are tensor
+ops over (B, V). Presence and frequency penalties follow OpenAI's and vLLM's meaning:
+they count the tokens the request has generated (not its prompt) and are subtracted
+from the logits before temperature, `logit -= frequency_penalty * count +
+presence_penalty * (count > 0)`, so they change greedy choices too. A request with a seed gets noise from a generator seeded by (seed, step), so
 its tokens do not depend on the batch it shares or the instance that runs it: a
 sequence prefilled on one instance and decoded on another samples the same tokens.
 """
@@ -31,6 +34,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # strings that end generation
     stop_token_ids: list[int] = field(default_factory=list)  # tokens that end generation
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a generated token
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +52,10 @@ class SamplingParams:
             raise EngineError(f"seed: must be an integer or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise EngineError(f"stop: must be non-empty strings, got {self.stop!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise EngineError(f"{name}: must be a number in [-2, 2], got {value!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise EngineError(f"stop_token_ids: must be token ids >= 0, got {self.stop_token_ids!r}")
 
@@ -55,6 +64,11 @@ class SamplingParams:
         """True when the most likely token is always taken."""
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def has_penalties(self) -> bool:
+        """True when generated tokens change the next token's logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
 
 class Sampler:
     """Samples one token per row of a logits batch."""
@@ -62,11 +76,17 @@ class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
-        """logits (B, V) float; steps[i] is how many tokens row i has generated so far."""
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+                 output_token_ids: list[list[int]] | None = None) -> list[int]:
+        """logits (B, V) float; steps[i] is how many tokens row i has generated so far;
+        output_token_ids[i] those tokens (needed only when a row has penalties)."""
         # NOTE: sampling runs on the CPU: the tokens go there anyway and CPU generators
         # make seeded draws identical on every device.
         logits = logits.float().cpu()
+        if any(p.has_penalties for p in params):
+            if output_token_ids is None:
+                raise ValueError("output_token_ids: needed when a request has penalties")
+            logits = apply_penalties(logits, params, output_token_ids)
         greedy_ids = logits.argmax(dim=-1)  # (B,)
         if all(p.is_greedy for p in params):
             return greedy_ids.tolist()
@@ -103,3 +123,17 @@ class Sampler:
                 g = torch.Generator().manual_seed((p.seed * _STEP_MIX + step) & _SEED_MASK)
                 noise[row].exponential_(generator=g)
         return noise.clamp_min_(1e-20)
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    output_token_ids: list[list[int]]) -> torch.Tensor:
+    """Logits (B, V) less each row's presence and frequency penalties over its output."""
+    batch, vocab = logits.shape
+    counts = torch.zeros(batch, vocab)  # (B, V) occurrences of each token in the output
+    for row, token_ids in enumerate(output_token_ids):
+        if token_ids and params[row].has_penalties:
+            ids = torch.tensor(token_ids, dtype=torch.long)
+            counts[row].index_add_(0, ids, torch.ones(len(token_ids)))
+    frequency = torch.tensor([p.frequency_penalty for p in params])[:, None]  # (B, 1)
+    presence = torch.tensor([p.presence_penalty for p in params])[:, None]  # (B, 1)
+    return logits - frequency * counts - presence * (counts > 0).float()
