@@ -15,7 +15,7 @@ import yaml
 from k8s_factories import make_node
 
 from distserve.k8s import client, naming
-from distserve.k8s.client import ApiClient
+from distserve.k8s.client import ApiClient, ApiError
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "distservedeployments.distserve.io.yaml"
@@ -139,7 +139,11 @@ async def play_kubelet(api: ApiClient, name: str) -> None:
     """Mark the resource's pods and router Ready, as kubelet and controllers would."""
     ready = {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
     for pod in await owned(api, "Pod", name):
-        await api.patch("Pod", NAMESPACE, pod["metadata"]["name"], ready, subresource="status")
+        try:
+            await api.patch("Pod", NAMESPACE, pod["metadata"]["name"], ready, subresource="status")
+        except ApiError as exc:  # deleted meanwhile (a reshuffle's delete step)
+            if exc.status != 404:
+                raise
     for deployment in await owned(api, "Deployment", name):
         await api.patch("Deployment", NAMESPACE, deployment["metadata"]["name"],
                         {"status": {"readyReplicas": 1, "replicas": 1}}, subresource="status")

@@ -82,15 +82,15 @@ async def test_apply_change_slo_and_delete(kmock):
         assert len(revisions) == 2  # the new instances run next to the old ones
         await play_kubelet(api, "opt")
         await wait_for(lambda: _only_revision(api, "opt", status["revision"]), what="old drained")
+        await wait_for(lambda: _served(api, "opt"), what="Ready after rollout")
         router = await api.get("ConfigMap", NAMESPACE, "opt-router")
         routed = json.loads(router["data"]["router.json"])["instances"]
         assert {e["revision"] for e in routed} == {status["revision"]}
         peers = json.loads(router["data"]["serve.json"])["peers"]
         assert all(status["revision"] in peer["name"] for peer in peers["prefill"] + peers["decode"])
-        await wait_for(lambda: _phase(api, "opt", "Ready"), what="Ready after rollout")
 
         await api.delete("DistServeDeployment", NAMESPACE, "opt")
-        await wait_for(lambda: _all_gone(api, "opt"), what="objects deleted")
+        await wait_for(lambda: _all_gone(api, "opt"), timeout_s=120, what="objects deleted")
     finally:
         await stop(runner)
 
@@ -154,12 +154,21 @@ async def _applied(api, name, not_plan=None):
     return status if plan_id and plan_id == status.get("planId") and plan_id != not_plan else None
 
 
+async def _served(api, name):
+    """The status once Ready, playing the kubelet meanwhile (new instances come up)."""
+    await play_kubelet(api, name)
+    return await _phase(api, name, "Ready")
+
+
 async def _phase(api, name, phase):
     status = await status_of(api, name)
     return status if status.get("phase") == phase else None
 
 
 async def _only_revision(api, name, revision):
+    """Whether only `revision`'s pods are left; plays the kubelet first (the reshuffle
+    waits for each new instance to be Ready before it drains the next old one)."""
+    await play_kubelet(api, name)
     pods = await owned(api, "Pod", name)
     return pods and {p["metadata"]["labels"][naming.REVISION_LABEL] for p in pods} == {revision}
 

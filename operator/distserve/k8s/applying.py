@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from distserve import spec as specs
-from distserve.k8s import naming, router, workers
+from distserve.k8s import naming, router
 from distserve.k8s.client import ApiClient, ApiError
 
 # Kinds the operator owns, in the order they are deleted (dependents first).
@@ -85,15 +85,20 @@ def route_instances(
     current: list[dict[str, Any]],
     add: list[dict[str, Any]] = (),  # type: ignore[assignment]
     draining: frozenset[str] = frozenset(),
+    serving: frozenset[str] = frozenset(),
     removed: frozenset[str] = frozenset(),
+    removed_revisions: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
-    """The router's instance list: the current entries minus `removed` revisions, those
-    of `draining` revisions marked, then the `add`ed endpoints (live)."""
-    replaced = {e["revision"] for e in add}
+    """The router's instance list: the current entries minus the `removed` instance names
+    and every entry of `removed_revisions`, the `draining` names marked and the `serving`
+    names unmarked, then the `add`ed endpoints (live; they replace entries of their name)."""
+    replaced = {e["name"] for e in add}
     kept = [
-        {**entry, "draining": bool(entry.get("draining")) or entry.get("revision") in draining}
+        {**entry, "draining": entry["name"] in draining
+         or (bool(entry.get("draining")) and entry["name"] not in serving)}
         for entry in current
-        if entry.get("revision") not in removed and entry.get("revision") not in replaced
+        if entry.get("name") not in removed | replaced
+        and entry.get("revision") not in removed_revisions
     ]
     return kept + [{**e, "draining": False} for e in add]
 
@@ -109,56 +114,66 @@ async def apply_router(api: ApiClient, owner: naming.Owner, spec: specs.DistServ
     ])
 
 
-async def apply_revision(api: ApiClient, revision: naming.Revision, known_nodes: set[str]) -> dict[str, int]:
-    """Start a revision next to whatever runs; the router learns of it at once."""
-    counts = await apply_objects(api, workers.build_revision_objects(revision, known_nodes))
-    current = await read_router_instances(api, revision.owner)
-    fresh = workers.instance_endpoints(revision)
-    await apply_router(api, revision.owner, revision.spec, route_instances(current, add=fresh))
-    return counts
+async def inventory(api: ApiClient, owner: naming.Owner) -> dict[str, dict[str, dict[str, Any]]]:
+    """Kind -> name -> object, for every object of OWNED_KINDS the resource owns (one list
+    per kind: the monitor reads this once a round instead of one GET per object)."""
+    labels = {naming.DEPLOYMENT_LABEL: owner.name}
+    return {kind: {o["metadata"]["name"]: o for o in await api.list(kind, owner.namespace, labels)}
+            for kind in OWNED_KINDS}
 
 
-async def recreate_missing(api: ApiClient, revision: naming.Revision, known_nodes: set[str]) -> list[str]:
-    """Create the revision's and the router's objects that are gone; what was created."""
-    owner, spec = revision.owner, revision.spec
-    current = await read_router_instances(api, owner)
-    instances = current or route_instances([], add=workers.instance_endpoints(revision))
-    config = router.build_router_config(owner, spec, instances)
-    objects = [*workers.build_revision_objects(revision, known_nodes),
-               router.build_router_config_map_spec(owner, spec, config),
-               router.build_router_deployment_spec(owner, spec, config),
-               router.build_router_service_spec(owner, spec)]
+def routed_in(found: dict[str, dict[str, dict[str, Any]]], owner: naming.Owner) -> list[dict[str, Any]]:
+    """The router's instance list as the inventory holds it."""
+    config_map = found.get("ConfigMap", {}).get(naming.router_name(owner)) or {}
+    document = (config_map.get("data") or {}).get(router.ROUTER_CONFIG_FILE)
+    try:
+        return list(json.loads(document).get("instances", [])) if document else []
+    except (ValueError, AttributeError):
+        return []
+
+
+async def create_missing(api: ApiClient, objects: list[dict[str, Any]],
+                         found: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Create those of the objects the inventory lacks; `Kind name` of each one created."""
     created = []
     for obj in objects:
         meta = obj["metadata"]
-        if await api.get(obj["kind"], meta.get("namespace"), meta["name"]) is None:
-            await create_or_patch(api, obj)
+        if obj["kind"] in found:
+            is_missing = meta["name"] not in found[obj["kind"]]
+        else:
+            is_missing = await api.get(obj["kind"], meta.get("namespace"), meta["name"]) is None
+        if is_missing and await create_or_patch(api, obj) == "created":
             created.append(f"{obj['kind']} {meta['name']}")
     return created
 
 
-async def mark_draining(api: ApiClient, owner: naming.Owner, spec: specs.DistServeDeploymentSpec,
-                        old_ids: set[str], since: str) -> int:
-    """Tell the router to stop sending to the old revisions; label their pods draining."""
+async def update_router(api: ApiClient, owner: naming.Owner, spec: specs.DistServeDeploymentSpec,
+                        **change: Any) -> None:
+    """Apply `route_instances(current, **change)` to the router."""
     current = await read_router_instances(api, owner)
-    await apply_router(api, owner, spec, route_instances(current, draining=frozenset(old_ids)))
-    count = 0
-    for pod in await api.list("Pod", owner.namespace, {naming.DEPLOYMENT_LABEL: owner.name}):
-        meta = pod["metadata"]
-        if meta.get("labels", {}).get(naming.REVISION_LABEL) not in old_ids:
-            continue
-        await api.patch("Pod", owner.namespace, meta["name"], {"metadata": {
+    await apply_router(api, owner, spec, route_instances(current, **change))
+
+
+def instance_labels(owner: naming.Owner, revision_id: str, role: str, index: int) -> dict[str, str]:
+    """The labels that pick one instance's Service, PodGroup and pods."""
+    return {naming.DEPLOYMENT_LABEL: owner.name, naming.REVISION_LABEL: revision_id,
+            naming.ROLE_LABEL: role, naming.INSTANCE_LABEL: str(index)}
+
+
+async def label_draining(api: ApiClient, owner: naming.Owner, labels: dict[str, str], since: str) -> int:
+    """Label the picked pods draining (for people and tools); how many."""
+    pods = await api.list("Pod", owner.namespace, labels)
+    for pod in pods:
+        await api.patch("Pod", owner.namespace, pod["metadata"]["name"], {"metadata": {
             "labels": {naming.DRAINING_LABEL: "true"},
             "annotations": {naming.DRAINING_SINCE_ANNOTATION: since}}})
-        count += 1
-    return count
+    return len(pods)
 
 
 async def delete_revisions(api: ApiClient, owner: naming.Owner, spec: specs.DistServeDeploymentSpec,
                            old_ids: set[str]) -> int:
     """Delete the old revisions' objects and drop them from the router's list."""
-    current = await read_router_instances(api, owner)
-    await apply_router(api, owner, spec, route_instances(current, removed=frozenset(old_ids)))
+    await update_router(api, owner, spec, removed_revisions=frozenset(old_ids))
     count = 0
     for old_id in sorted(old_ids):
         labels = {naming.DEPLOYMENT_LABEL: owner.name, naming.REVISION_LABEL: old_id}
@@ -178,21 +193,9 @@ async def delete_labelled(api: ApiClient, namespace: str, labels: dict[str, str]
     return count
 
 
-async def revisions_present(api: ApiClient, owner: naming.Owner) -> set[str]:
+def revisions_present(found: dict[str, dict[str, dict[str, Any]]], owner: naming.Owner) -> set[str]:
     """Every revision id that an owned object or a router entry still names."""
-    labels = {naming.DEPLOYMENT_LABEL: owner.name}
-    found = {entry.get("revision") for entry in await read_router_instances(api, owner)}
-    for kind in OWNED_KINDS:
-        for obj in await api.list(kind, owner.namespace, labels):
-            found.add(obj["metadata"].get("labels", {}).get(naming.REVISION_LABEL))
-    return {rid for rid in found if rid}
-
-
-async def revisions_running(api: ApiClient, owner: naming.Owner) -> dict[str, list[dict[str, Any]]]:
-    """Revision id -> its pods, for every revision of the resource that has pods."""
-    revision_to_pods: dict[str, list[dict[str, Any]]] = {}
-    for pod in await api.list("Pod", owner.namespace, {naming.DEPLOYMENT_LABEL: owner.name}):
-        revision_id = pod["metadata"].get("labels", {}).get(naming.REVISION_LABEL)
-        if revision_id:
-            revision_to_pods.setdefault(revision_id, []).append(pod)
-    return revision_to_pods
+    ids = {entry.get("revision") for entry in routed_in(found, owner)}
+    for objects in found.values():
+        ids |= {o["metadata"].get("labels", {}).get(naming.REVISION_LABEL) for o in objects.values()}
+    return {rid for rid in ids if rid}

@@ -2,25 +2,25 @@
 must be re-created, drained or removed.
 
 Each round (the kopf timer, under the resource's lock, on a fresh read of it):
-1. re-create what the applied revision and the router run on and has gone missing;
-2. remove the objects of old revisions that have no pod left (nothing to drain:
-   their Services, ConfigMaps and router entries would otherwise stay forever);
-3. judge readiness from the pods and the router, and the cluster from the Nodes: a
-   plan whose nodes are gone, not Ready or cordoned (or a cluster with no Ready GPU
-   node at all) is Degraded with reason `NodesNotReady` and an Event, never a crash;
-4. drain old revisions once the new one serves, delete them once idle or at the
-   drain deadline. The deadline is kept in `status.drainDeadline` (next to
-   `status.drainingSince`), so an operator restart neither restarts nor forgets it.
+1. re-create what the live instances (`fleet`) and the router run on and has gone
+   missing;
+2. remove the objects of revisions no live instance comes from (a replaced reshuffle's
+   leftovers: Services, ConfigMaps and router entries would otherwise stay forever);
+3. advance the reshuffle in progress by one step (`rollout`); a drain's deadline is
+   kept in `status.reshuffle`, so an operator restart neither restarts nor forgets it;
+4. judge readiness from the live instances' pods and the router, and the cluster from
+   the Nodes: a node of a live instance that is gone, not Ready or cordoned (or a
+   cluster with no Ready GPU node at all) is Degraded with reason `NodesNotReady` and
+   an Event, never a crash.
 """
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import kopf
 
-from distserve.k8s import applying, draining, health, naming, nodes, planning
+from distserve.k8s import applying, fleet, health, naming, nodes, planning, rollout, router, workers
 from distserve.k8s import status as st
 from distserve.k8s.client import ApiClient
 from distserve.k8s.reconciling import KIND, PLANNING_REASONS, Timing, write_status
@@ -29,31 +29,46 @@ NODES_REASON = "NodesNotReady"
 
 
 async def monitor(api: ApiClient, body: Any, timing: Timing) -> None:
-    """One round: heal, remove pod-less revisions, judge pods and nodes, advance the rollout."""
+    """One round: heal, remove dead revisions, advance the reshuffle, judge pods and nodes."""
     owner = naming.Owner.from_body(body)
-    # NOTE: kopf's body may predate a status this operator just wrote (a new revision):
-    # judging old and new from it would drain the new revision.
+    # NOTE: kopf's body may predate a status this operator just wrote (a new reshuffle):
+    # acting on it would redo a step.
     body = await api.get(KIND, owner.namespace, owner.name) or body
     status = body.get("status") or {}
-    revision_id = status.get("revision")
-    if not revision_id:
+    if not status.get("revision"):
         return
     found_nodes = await planning.read_nodes(api)
-    await heal(api, body, owner, status, found_nodes)
-    running = await applying.revisions_running(api, owner)
-    await remove_podless_revisions(api, body, owner, revision_id, set(running))
-    report = health.assess(running.get(revision_id, []), status.get("expectedPods", 0),
-                           await api.get("Deployment", owner.namespace, naming.router_name(owner)))
-    node_issues = node_problems(body, status, found_nodes)
-    old_ids = {rid for rid in running if rid != revision_id}
-    is_serving = report.is_ready and not node_issues
-    fields = await advance_rollout(api, body, owner, old_ids, is_serving, timing)
-    if not old_ids and status.get("drainingSince"):
-        fields = {**fields, "drainingSince": None, "drainDeadline": None}
+    try:
+        spec, known = await planning.shape_spec(api, planning.parse(body["spec"]), found_nodes)
+    except planning.Unplannable:
+        spec, known = None, frozenset()
+    fields: dict[str, Any] = {}
+    found = await applying.inventory(api, owner)
+    if spec is not None:
+        await heal(api, body, owner, status, spec, set(known), found)
+        await remove_dead_revisions(api, body, owner, status, spec, found)
+        fields = await rollout.advance(api, body, owner, status, spec, set(known), timing)
+        if fields.get("instances") != status.get("instances"):
+            found["Pod"] = {p["metadata"]["name"]: p for p in await api.list(
+                "Pod", owner.namespace, {naming.DEPLOYMENT_LABEL: owner.name})}
+    after = {**status, **fields}
+    members = fleet.live_members(owner, spec, after) if spec is not None else []
+    report = health.assess(live_pods(found, members), sum(m.num_pods for m in members),
+                           found["Deployment"].get(naming.router_name(owner)))
+    node_issues = node_problems(body, after, found_nodes, members)
+    is_reshuffling = bool(after.get("reshuffle"))
     if not is_planning_failure(status):
         post_node_events(body, status, node_issues)
-    await write_status(api, owner, {**fields, **monitor_phase(status, report, node_issues, old_ids)},
+    await write_status(api, owner, {**fields, **monitor_phase(status, report, node_issues, is_reshuffling)},
                        monitor_conditions(status, report, node_issues))
+
+
+def live_pods(found: dict[str, dict[str, Any]], members: list[fleet.Member]) -> list[dict[str, Any]]:
+    """The pods of the live instances, from the inventory."""
+    keys = {(m.revision_id, m.role, str(m.index)) for m in members}
+    return [p for p in found["Pod"].values() if (p["metadata"].get("labels", {}).get(naming.REVISION_LABEL),
+                                p["metadata"].get("labels", {}).get(naming.ROLE_LABEL),
+                                p["metadata"].get("labels", {}).get(naming.INSTANCE_LABEL)) in keys]
 
 
 def is_planning_failure(status: dict[str, Any]) -> bool:
@@ -63,17 +78,16 @@ def is_planning_failure(status: dict[str, Any]) -> bool:
                 and degraded.get("reason") in PLANNING_REASONS)
 
 
-def node_problems(body: Any, status: dict[str, Any], found: list[dict[str, Any]] | None) -> list[str]:
-    """What is wrong with the nodes the applied plan runs on (none when Nodes are unreadable)."""
+def node_problems(body: Any, status: dict[str, Any], found: list[dict[str, Any]] | None,
+                  members: list[fleet.Member]) -> list[str]:
+    """What is wrong with the nodes the live instances run on (none when Nodes are unreadable)."""
     if found is None:
         return []
     try:
         is_cpu = nodes.is_cpu_spec(planning.parse(body["spec"]))
     except planning.Unplannable:
         return []
-    plan = st.stored_plan(status)
-    is_applied = plan is not None and status.get("appliedPlanId") == plan.plan_id
-    plan_nodes = {s.node for s in plan.segments} if is_applied else set()
+    plan_nodes = {s.node for m in members for s in m.plan.segments_of(m.role, m.index)}  # type: ignore[arg-type]
     return nodes.node_problems(plan_nodes, found, is_cpu=is_cpu)
 
 
@@ -88,51 +102,62 @@ def post_node_events(body: Any, status: dict[str, Any], node_issues: list[str]) 
 
 
 async def heal(api: ApiClient, body: Any, owner: naming.Owner, status: dict[str, Any],
-               found_nodes: list[dict[str, Any]] | None) -> None:
-    """Re-create what the applied plan runs on and has gone missing, with an Event."""
-    plan = st.stored_plan(status)
-    if body["metadata"].get("deletionTimestamp") or plan is None \
-            or status.get("appliedPlanId") != plan.plan_id:
+               spec: Any, known: set[str], found: dict[str, dict[str, Any]]) -> None:
+    """Re-create what the live instances and the router run on and has gone missing, with
+    an Event. The router's list, when it is gone too, is rebuilt from the live instances."""
+    if body["metadata"].get("deletionTimestamp"):
         return
-    try:
-        spec, known = await planning.shape_spec(api, planning.parse(body["spec"]), found_nodes)
-    except planning.Unplannable:
-        return  # no usable node (reported as NodesNotReady) or a spec gone bad: nothing to do
-    revision = naming.Revision(owner, plan, spec)
-    if revision.id != status.get("revision"):
-        return  # the spec changed since: the change handler applies the new plan
-    created = await applying.recreate_missing(api, revision, set(known))
+    members = fleet.live_members(owner, spec, status)
+    objects = []
+    for revision in {m.revision.id: m.revision for m in members if m.revision}.values():
+        objects.append(workers.build_engine_config_map_spec(revision))
+    for m in members:
+        objects += m.objects(known)
+    routed = applying.routed_in(found, owner)
+    if not routed:
+        shuffle = status.get("reshuffle") or {}
+        steps = shuffle.get("steps") or []
+        step = steps[shuffle.get("next", 0)] if shuffle.get("next", 0) < len(steps) else {}
+        is_draining = step.get("action") == "drain" and shuffle.get("drainingSince")
+        draining = frozenset({step["name"]}) if is_draining else frozenset()
+        endpoints = [e for e in (m.endpoint() for m in members) if e]
+        routed = applying.route_instances(applying.route_instances([], add=endpoints),
+                                          draining=draining)
+    config = router.build_router_config(owner, spec, routed)
+    objects += [router.build_router_config_map_spec(owner, spec, config),
+                router.build_router_deployment_spec(owner, spec, config),
+                router.build_router_service_spec(owner, spec)]
+    created = await applying.create_missing(api, objects, found)
     if created:
         kopf.warn(body, reason="Recreated", message=f"re-created missing {', '.join(created)}")
 
 
-async def remove_podless_revisions(api: ApiClient, body: Any, owner: naming.Owner,
-                                   revision_id: str, with_pods: set[str]) -> None:
-    """Delete the objects and router entries of old revisions that have no pod left."""
-    present = await applying.revisions_present(api, owner)
-    gone = present - with_pods - {revision_id}
+async def remove_dead_revisions(api: ApiClient, body: Any, owner: naming.Owner,
+                                status: dict[str, Any], spec: Any,
+                                found: dict[str, dict[str, Any]]) -> None:
+    """Delete the objects and router entries of revisions no live instance comes from
+    (nor the applied one): what a replaced reshuffle or a lost pod left behind."""
+    present = applying.revisions_present(found, owner)
+    alive = {m.revision_id for m in fleet.live_members(owner, spec, status)}
+    gone = present - alive - {status.get("revision")}
     if not gone:
-        return
-    try:
-        spec = planning.parse(body["spec"])
-    except planning.Unplannable:
         return
     count = await applying.delete_revisions(api, owner, spec, gone)
     kopf.info(body, reason="Removed",
-              message=f"{count} objects of {sorted(gone)} deleted: no pod of them was left")
+              message=f"{count} objects of {sorted(gone)} deleted: no live instance comes from them")
 
 
 def monitor_phase(status: dict[str, Any], report: health.Report, node_issues: list[str],
-                  old_ids: set[str]) -> dict[str, Any]:
+                  is_reshuffling: bool) -> dict[str, Any]:
     """Phase and message from the nodes and the pods (a planning failure keeps its own)."""
     if is_planning_failure(status):
         return {}
     problems = [*node_issues, *report.problems]
     if problems:
         return {"phase": st.DEGRADED_PHASE, "message": "; ".join(problems)}
-    if report.is_ready and not old_ids:
+    if report.is_ready and not is_reshuffling:
         return {"phase": st.READY_PHASE, "message": report.summary}
-    return {"phase": st.ROLLING_OUT if old_ids else st.APPLYING, "message": report.summary}
+    return {"phase": st.ROLLING_OUT if is_reshuffling else st.APPLYING, "message": report.summary}
 
 
 def monitor_conditions(status: dict[str, Any], report: health.Report, node_issues: list[str]
@@ -152,40 +177,3 @@ def monitor_conditions(status: dict[str, Any], report: health.Report, node_issue
     return conditions
 
 
-def drain_window(status: dict[str, Any], timing: Timing) -> tuple[datetime.datetime, datetime.datetime]:
-    """(start, deadline) of the drain in progress; a status from before deadlines were
-    kept gets the operator's current drain timeout."""
-    started = st.parse_iso(status["drainingSince"])
-    deadline = status.get("drainDeadline")
-    if deadline:
-        return started, st.parse_iso(deadline)
-    return started, started + datetime.timedelta(seconds=timing.drain_seconds)
-
-
-async def advance_rollout(api: ApiClient, body: Any, owner: naming.Owner, old_ids: set[str],
-                          is_ready: bool, timing: Timing) -> dict[str, Any]:
-    """Drain old revisions once the new one is Ready; delete them once idle (or at the deadline)."""
-    status = body.get("status") or {}
-    if not old_ids or not is_ready:
-        return {}
-    spec = planning.parse(body["spec"])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    if not status.get("drainingSince"):
-        since = st.to_iso(now)
-        count = await applying.mark_draining(api, owner, spec, old_ids, since)
-        deadline = st.to_iso(now + datetime.timedelta(seconds=timing.drain_seconds))
-        kopf.info(body, reason="Draining",
-                  message=f"{count} pods of {sorted(old_ids)} draining, deleted at {deadline} at the latest")
-        return {"drainingSince": since, "drainDeadline": deadline}
-    started, deadline = drain_window(status, timing)
-    elapsed_s = (now - started).total_seconds()
-    timeout_s = (deadline - started).total_seconds()
-    old = [e for e in await applying.read_router_instances(api, owner) if e.get("revision") in old_ids]
-    why = await draining.verdict(old, elapsed_s, timing.drain_min_seconds, timeout_s)
-    if why is None:
-        return {}
-    count = await applying.delete_revisions(api, owner, spec, old_ids)
-    reason = "idle" if why == "idle" else f"drain deadline {st.to_iso(deadline)}"
-    kopf.info(body, reason="Drained",
-              message=f"{count} objects of {sorted(old_ids)} deleted ({reason}, after {elapsed_s:.0f}s)")
-    return {"drainingSince": None, "drainDeadline": None}

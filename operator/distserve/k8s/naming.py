@@ -59,6 +59,12 @@ class Revision:
     spec: specs.DistServeDeploymentSpec
 
     @property
+    def engine_hash(self) -> str:
+        """What the pods run (model and engine settings): instances of two revisions with
+        the same hash and placement are the same instance."""
+        return engine_hash(self.spec)
+
+    @property
     def id(self) -> str:
         """Changes when the placement or anything the pods run with changes."""
         shape = {
@@ -68,6 +74,17 @@ class Revision:
         }
         digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()
         return digest[:8]
+
+
+def engine_hash(spec: specs.DistServeDeploymentSpec) -> str:
+    """A short digest of the spec's model and engine sections."""
+    shape = {"model": spec.model.model_dump(mode="json"), "engine": spec.engine.model_dump(mode="json")}
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def engine_instance_name(revision_id: str, role: str, instance: int) -> str:
+    """The instance's name in metrics, KV handles and the router's peer list."""
+    return f"{role}-{instance}-{revision_id}"
 
 
 def object_name(*parts: str) -> str:

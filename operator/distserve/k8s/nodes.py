@@ -54,6 +54,37 @@ def node_gpus(node: dict[str, Any]) -> int:
         return 0
 
 
+def pod_gpus(pod: dict[str, Any]) -> int:
+    """GPUs a pod holds: its containers' requests (or limits, which extended resources
+    must equal), or its largest init container's when that is more."""
+    spec = pod.get("spec") or {}
+
+    def of(container: dict[str, Any]) -> int:
+        resources = container.get("resources") or {}
+        value = (resources.get("requests") or {}).get(GPU_RESOURCE) \
+            or (resources.get("limits") or {}).get(GPU_RESOURCE) or 0
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            return 0
+    running = sum(of(c) for c in spec.get("containers") or [])
+    return max([running, *(of(c) for c in spec.get("initContainers") or [])])
+
+
+def free_gpus(nodes: list[dict[str, Any]], pods: list[dict[str, Any]],
+              is_ours: Any) -> dict[str, int]:
+    """Node -> GPUs the deployment may use: allocatable minus what every other pod bound
+    to the node holds (pods that ended hold nothing). `is_ours(pod)` picks our own pods."""
+    node_to_free = {n["metadata"]["name"]: node_gpus(n) for n in nodes}
+    for pod in pods:
+        node = (pod.get("spec") or {}).get("nodeName")
+        phase = (pod.get("status") or {}).get("phase")
+        if node not in node_to_free or phase in ("Succeeded", "Failed") or is_ours(pod):
+            continue
+        node_to_free[node] -= pod_gpus(pod)
+    return {name: max(0, gpus) for name, gpus in node_to_free.items()}
+
+
 def is_usable(node: dict[str, Any]) -> bool:
     """Ready and not cordoned. A node with no conditions reported counts as Ready."""
     if node.get("spec", {}).get("unschedulable"):

@@ -1,15 +1,12 @@
-"""Reconciling one DistServeDeployment: plan, apply, watch the rollout, clean up.
+"""Reconciling one DistServeDeployment: plan, apply, clean up.
 
-The sequence for a new plan (blue/green, no request lost):
-1. the new revision's config, Services and pods are created next to the old ones and
-   the router is told about them;
-2. once all its pods and the router are Ready, the old revisions are marked draining
-   (pod label + router config, which the running router re-reads): the router sends
-   them nothing new, and the router pods are not rolled;
-3. once the old instances are idle (in-flight requests finished), or at the drain
-   timeout, the old objects are deleted (`draining`).
-
-Steps 2 and 3, healing and node checks are the periodic monitor's (`monitoring`).
+A new plan (a spec edit, an approval, a replan) is applied as an incremental reshuffle
+(`reshuffling` plans it, `rollout` runs it): the instances the new plan shares with the
+running ones stay; the others are replaced one at a time, new ones first where GPUs are
+free, else an old one is drained (the router sends it nothing new, in-flight requests
+finish), deleted, and its replacement started on the GPUs it freed. A cluster the plan
+fills needs no spare GPUs. The creates that need no room start here; every other step,
+healing and node checks are the periodic monitor's (`monitoring`).
 
 `status.observedGeneration` moves to a spec's generation once the plan for it is done
 (shown, or refused with a reason), together with the plan's id: a client that waits
@@ -29,7 +26,7 @@ from typing import Any
 import kopf
 
 from distserve import spec as specs
-from distserve.k8s import applying, naming, planning
+from distserve.k8s import applying, naming, planning, reshuffling, rollout
 from distserve.k8s import status as st
 from distserve.k8s.client import ApiClient
 
@@ -129,21 +126,29 @@ async def degrade(api: ApiClient, body: Any, owner: naming.Owner, reason: str, m
 
 
 async def apply_plan(api: ApiClient, body: Any, owner: naming.Owner, planned: planning.Planned) -> None:
-    """Start the plan's revision next to what runs; the monitor finishes the rollout."""
+    """Plan the reshuffle from what runs to the plan and start it; the monitor finishes it."""
     revision = naming.Revision(owner, planned.plan, planned.spec)
     current = await api.get(KIND, owner.namespace, owner.name) or body
-    is_new_revision = (current.get("status") or {}).get("revision") != revision.id
-    counts = await applying.apply_revision(api, revision, set(planned.known_nodes))
-    running = await applying.revisions_running(api, owner)
-    is_rollout = any(rid != revision.id for rid in running)
-    message = (f"plan {planned.plan.plan_id} revision {revision.id}: {counts['created']} objects "
-               f"created, {counts['patched']} patched, {counts['unchanged']} unchanged")
+    status = current.get("status") or {}
+    shuffle = status.get("reshuffle") or {}
+    if status.get("revision") == revision.id and (shuffle.get("revision") in (None, revision.id)) \
+            and status.get("instances") is not None:
+        return  # this revision is applied or on its way: the monitor heals and advances it
+    try:
+        fields, result = await rollout.start(api, owner, planned, status)
+    except reshuffling.ReshuffleError as exc:
+        await degrade(api, body, owner, "NoRoom", f"plan {planned.plan.plan_id} not applied: {exc}")
+        return
+    steps = ", ".join(f"{s.action} {s.instance.name}" for s in result.steps) or "none"
+    message = (f"plan {planned.plan.plan_id} revision {revision.id}: {len(result.kept)} instances "
+               f"kept, steps: {steps}")
     kopf.info(body, reason="Applied", message=message)
-    fields = {"phase": st.ROLLING_OUT if is_rollout else st.APPLYING, "message": message,
-              "appliedPlanId": planned.plan.plan_id, "revision": revision.id,
-              "expectedPods": len(planned.plan.segments)}
-    if is_new_revision:  # a drain in progress (kept over a restart) is not restarted
-        fields.update(drainingSince=None, drainDeadline=None)
+    fields.update(phase=st.ROLLING_OUT if result.steps else st.APPLYING, message=message,
+                  appliedPlanId=planned.plan.plan_id, revision=revision.id,
+                  expectedPods=len(planned.plan.segments), drainingSince=None, drainDeadline=None)
+    # the creates that need no room freed start now, not at the next monitor round
+    fields.update(await rollout.advance(api, body, owner, {**status, **fields}, planned.spec,
+                                        set(planned.known_nodes), None, only_creates=True))
     await write_status(api, owner, fields, [(st.APPLIED, True, "Applied", message),
         (st.DEGRADED, False, "Applied", "the plan is applied")])
 
@@ -171,8 +176,8 @@ async def resume(api: ApiClient, body: Any) -> None:
     if plan is None:
         await plan_resource(api, body)
         return
-    if status.get("appliedPlanId") != plan.plan_id:
-        return  # still awaiting approval, or planning failed: nothing to restore
+    if status.get("appliedPlanId") != plan.plan_id or status.get("instances") is not None:
+        return  # awaiting approval, planning failed, or applied: the monitor heals and advances
     try:
         spec, known = await planning.shape_spec(api, planning.parse(body["spec"]))
     except planning.Unplannable:

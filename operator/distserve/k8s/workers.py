@@ -69,7 +69,7 @@ def instance_endpoints(revision: naming.Revision) -> list[dict[str, Any]]:
 
 def engine_instance_name(revision: naming.Revision, role: str, instance: int) -> str:
     """The instance's name in metrics, KV handles and the router's peer list."""
-    return f"{role}-{instance}-{revision.id}"
+    return naming.engine_instance_name(revision.id, role, instance)
 
 
 def build_serve_settings(revision: naming.Revision) -> dict[str, Any]:
@@ -262,6 +262,16 @@ def build_worker_pod_spec(revision: naming.Revision, segment: SegmentPlacement, 
     gpu_toleration = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
     pod_spec = pods.apply_pod_options(pod_spec, options, gpu_toleration if is_gpu else None)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def build_instance_objects(revision: naming.Revision, role: str, instance: int,
+                           known_nodes: set[str]) -> list[dict[str, Any]]:
+    """One instance's objects: its Service (and PodGroup), then its pods."""
+    groups = [g for g in gang.build_pod_groups(revision)
+              if g["metadata"]["name"] == gang.pod_group_name(revision, role, instance)]
+    worker_pods = [build_worker_pod_spec(revision, s, known_nodes)
+                   for s in revision.plan.segments_of(role, instance)]  # type: ignore[arg-type]
+    return [build_instance_service_spec(revision, role, instance), *groups, *worker_pods]
 
 
 def build_revision_objects(revision: naming.Revision, known_nodes: set[str]) -> list[dict[str, Any]]:
