@@ -18,11 +18,15 @@ What the workload analyzer (`distserve.analyzer`) reads from the router:
   resampled from a fit to the binned counts within a few percent in mean and p90;
 - `distserve_plan_info{plan_id, prefill, decode} 1` and the plan's predicted attainment
   and goodput (`distserve_plan_predicted_*`), from the settings' `plan`, so a dashboard
-  puts prediction beside observation.
+  puts prediction beside observation; `distserve_plan_gpus{phase}` (tp x pp x instances
+  of the phase's shape), the denominator of goodput per GPU;
+- `distserve_slo_target_seconds{slo}`: the TTFT and TPOT objectives the router counts
+  `distserve_slo_met_requests_total` against, drawn as the SLO line beside the percentiles.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -42,6 +46,16 @@ R10_MANTISSAS = (1.0, 1.25, 1.6, 2.0, 2.5, 3.15, 4.0, 5.0, 6.3, 8.0)
 DEFAULT_MAX_LENGTH_TOKENS = 131072  # bucket range when the context length is not set
 TRANSFER_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                       0.5, 1.0, 2.5, 5.0)
+SHAPE_PATTERN = re.compile(r"tp(\d+)pp(\d+)x(\d+)")  # a phase's shape in the plan settings
+
+
+def shape_num_gpus(shape: str) -> int | None:
+    """GPUs of a phase shape `tp<TP>pp<PP>x<instances>`; None when it is not one."""
+    match = SHAPE_PATTERN.fullmatch(shape)
+    if match is None:
+        return None
+    tp, pp, num_instances = (int(g) for g in match.groups())
+    return tp * pp * num_instances
 
 
 def length_buckets_tokens(max_model_len: int | None = None) -> tuple[int, ...]:
@@ -114,6 +128,10 @@ class ServingMetrics:
         self.plan_goodput = Gauge("distserve_plan_predicted_goodput_rps",
                                   "Goodput the planner predicted (requests/s).",
                                   (*LABELS, "plan_id"), registry=r)
+        self.plan_gpus = Gauge("distserve_plan_gpus", "GPUs of one phase in the plan.",
+                               (*LABELS, "plan_id", "phase"), registry=r)
+        self.slo_target = Gauge("distserve_slo_target_seconds", "The latency objective.",
+                                (*LABELS, "slo"), registry=r)
         self._start_series()
 
     def _start_series(self) -> None:
@@ -132,7 +150,7 @@ class ServingMetrics:
                  predicted_attainment: float | None = None,
                  predicted_goodput_rps: float | None = None) -> None:
         """Export the plan served under (replacing the previous one's series)."""
-        for gauge in (self.plan_info, self.plan_attainment, self.plan_goodput):
+        for gauge in (self.plan_info, self.plan_attainment, self.plan_goodput, self.plan_gpus):
             gauge.clear()
         if plan_id is None:
             return
@@ -142,6 +160,17 @@ class ServingMetrics:
             self.plan_attainment.labels(**labels, plan_id=plan_id).set(predicted_attainment)
         if predicted_goodput_rps is not None:
             self.plan_goodput.labels(**labels, plan_id=plan_id).set(predicted_goodput_rps)
+        for phase, shape in (("prefill", prefill), ("decode", decode)):
+            num_gpus = shape_num_gpus(shape)
+            if num_gpus is not None:
+                self.plan_gpus.labels(**labels, plan_id=plan_id, phase=phase).set(num_gpus)
+
+    def set_slo(self, ttft_slo_s: float | None, tpot_slo_s: float | None) -> None:
+        """Export the latency objectives (an objective not set has no series)."""
+        self.slo_target.clear()
+        for slo, seconds in (("ttft", ttft_slo_s), ("tpot", tpot_slo_s)):
+            if seconds is not None:
+                self.slo_target.labels(**self._l(), slo=slo).set(seconds)
 
     def observe_arrival(self) -> None:
         """Count one request reaching admission (before it may be refused)."""

@@ -1,0 +1,47 @@
+"""The series the dashboards add to the engine's: the plan's GPUs per phase (the goodput
+per GPU denominator) and the latency objectives (the SLO lines)."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from distserve_engine.metrics import ServingMetrics, shape_num_gpus
+
+
+def samples(metrics: ServingMetrics, name: str) -> dict[tuple, float]:
+    """(sorted label items) -> value of every sample named `name`."""
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            if s.name == name:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_plan_gpus_per_phase_follow_the_plan_served_under():
+    metrics = ServingMetrics("d", "router", "router", "m")
+    metrics.set_plan("p1", prefill="tp2pp1x3", decode="tp1pp2x2", predicted_attainment=0.9)
+    gpus = {dict(k)["phase"]: v for k, v in samples(metrics, "distserve_plan_gpus").items()}
+    assert gpus == {"prefill": 6, "decode": 4}
+    metrics.set_plan("p2", prefill="tp1pp1x1", decode="")  # a switch replaces the series
+    found = samples(metrics, "distserve_plan_gpus")
+    assert [(dict(k)["plan_id"], dict(k)["phase"], v) for k, v in found.items()] == [("p2", "prefill", 1)]
+    metrics.set_plan(None)
+    assert samples(metrics, "distserve_plan_gpus") == {}
+
+
+@pytest.mark.parametrize(("shape", "num_gpus"), [
+    ("tp1pp1x1", 1), ("tp8pp4x2", 64), ("", None), ("tp2pp1", None), ("x3", None)])
+def test_shape_num_gpus(shape, num_gpus):
+    assert shape_num_gpus(shape) == num_gpus
+
+
+def test_slo_targets_are_exported_and_replaced():
+    metrics = ServingMetrics("d", "router", "router", "m")
+    metrics.set_slo(2.0, 0.1)
+    targets = {dict(k)["slo"]: v for k, v in samples(metrics, "distserve_slo_target_seconds").items()}
+    assert targets == {"ttft": 2.0, "tpot": 0.1}
+    metrics.set_slo(None, 0.2)
+    targets = {dict(k)["slo"]: v for k, v in samples(metrics, "distserve_slo_target_seconds").items()}
+    assert targets == {"tpot": 0.2}
