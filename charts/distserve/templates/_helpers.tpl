@@ -83,6 +83,12 @@ these rules grant each one and nothing more).
 - apiGroups: [""]
   resources: ["nodes"]
   verbs: ["list"]
+{{- if .Values.watchNamespaces }}
+# The GPUs other pods hold on each node (a reshuffle plans against the free ones): listed.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
+{{- end }}
 {{- end }}
 {{- if not .Values.watchNamespaces }}
 # kopf notices the CRD being installed or removed while it runs (all namespaces only).
