@@ -2,7 +2,12 @@
 
 A plan says how many prefill and decode instances to run, with which tensor and
 pipeline parallelism, and which GPUs of which node each instance segment (one
-pipeline stage of one instance) takes. The search produces it, `distserve plan`
+pipeline stage of one instance) takes. A phase's instances come in groups of one
+shape each: `prefill` and `decode` are the first groups; a mixed plan (copies of a
+second unit shape filling the GPUs the first leaves free) has further groups in
+`extra_prefill` and `extra_decode`, their instances numbered after the groups before
+them. A plan sized for a rate the cluster (or the GPU budget) cannot serve is the
+best that fits, and says by how much it falls short. The search produces it, `distserve plan`
 prints it, the operator turns it into pods and writes it to the resource's status,
 and the local launcher turns it into Ray actors. It travels as a JSON document
 (`to_dict` / `from_dict`), never as an object.
@@ -95,11 +100,48 @@ class Plan:
     rate_rps: float | None = None  # the traffic the replica counts were sized for
     latency_source: str = ""  # which latency model timed the search, and why
     baselines: dict[str, BaselineResult] = field(default_factory=dict)
+    # a mixed plan's further groups of other shapes (empty: one shape per phase)
+    extra_prefill: tuple[PhaseConfig, ...] = ()
+    extra_decode: tuple[PhaseConfig, ...] = ()
+    # what bounds the plan's size where it matters: the cluster or the GPU budget that kept
+    # it below rate_rps (or that a capacity plan fills); "" otherwise
+    limited_by: str = ""
+
+    def groups(self, role: Role) -> tuple[PhaseConfig, ...]:
+        """The groups of one phase, in the order their instances are numbered."""
+        if role == "prefill":
+            return (self.prefill, *self.extra_prefill)
+        return (self.decode, *self.extra_decode)
+
+    def num_instances(self, role: Role) -> int:
+        """Instances of one phase, all groups together."""
+        return sum(group.instances for group in self.groups(role))
+
+    def phase_of(self, role: Role, instance: int) -> PhaseConfig:
+        """The group (tp, pp and its size) that instance number `instance` belongs to."""
+        first = 0
+        for group in self.groups(role):
+            if instance < first + group.instances:
+                return group
+            first += group.instances
+        raise IndexError(f"{role} instance {instance}: the plan has {first}")
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether a phase has instances of more than one shape."""
+        return bool(self.extra_prefill or self.extra_decode)
 
     @property
     def num_gpus(self) -> int:
         """GPUs the whole plan takes."""
-        return self.prefill.num_gpus + self.decode.num_gpus
+        return sum(g.num_gpus for role in ROLES for g in self.groups(role))
+
+    @property
+    def shortfall_rps(self) -> float:
+        """How much of rate_rps the plan cannot serve within the SLOs (0.0: none)."""
+        if not self.rate_rps:
+            return 0.0
+        return max(0.0, self.rate_rps - self.goodput_rps)
 
     @property
     def per_gpu_goodput_rps(self) -> float:
@@ -114,6 +156,9 @@ class Plan:
             "decode": asdict(self.decode),
             "segments": [asdict(s) for s in self.segments],
         }
+        if self.is_mixed:  # plans of one shape per phase keep their ids
+            shape["extra_prefill"] = [asdict(g) for g in self.extra_prefill]
+            shape["extra_decode"] = [asdict(g) for g in self.extra_decode]
         digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()
         return digest[:10]
 
@@ -128,10 +173,13 @@ class Plan:
         doc["segments"] = [
             {**asdict(s), "gpu_ids": list(s.gpu_ids)} for s in self.segments
         ]
+        doc["extra_prefill"] = [asdict(g) for g in self.extra_prefill]
+        doc["extra_decode"] = [asdict(g) for g in self.extra_decode]
         doc.update(
             id=self.plan_id,
             num_gpus=self.num_gpus,
             per_gpu_goodput_rps=self.per_gpu_goodput_rps,
+            shortfall_rps=self.shortfall_rps,
         )
         return doc
 
@@ -161,4 +209,7 @@ class Plan:
             baselines={
                 name: BaselineResult(**b) for name, b in doc.get("baselines", {}).items()
             },
+            extra_prefill=tuple(PhaseConfig(**g) for g in doc.get("extra_prefill", ())),
+            extra_decode=tuple(PhaseConfig(**g) for g in doc.get("extra_decode", ())),
+            limited_by=doc.get("limited_by", ""),
         )

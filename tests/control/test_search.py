@@ -123,10 +123,11 @@ def test_unattainable_slo_reports_the_best_attainment():
     assert 0.0 <= err.value.best_attainment < 0.9
 
 
-def test_cluster_too_small_for_the_rate():
-    with pytest.raises(NoFeasiblePlan) as err:
-        plan_deployment(make_spec(workload={"rateRps": 5000.0}))
-    assert "GPUs" in err.value.reason
+def test_cluster_too_small_for_the_rate_gets_the_best_plan_that_fits():
+    plan = plan_deployment(make_spec(workload={"rateRps": 5000.0}))
+    assert 0 < plan.goodput_rps < 5000.0 and plan.num_gpus <= 4
+    assert plan.shortfall_rps == 5000.0 - plan.goodput_rps
+    assert plan.limited_by == "the cluster (1 nodes x 4 GPUs)"
 
 
 @pytest.mark.parametrize(("source", "tps"), [("auto", {1, 2, 4}), ("analytic", {1, 2, 4, 5, 8})])

@@ -4,6 +4,9 @@ Progress goes to stderr while the search runs; the chosen plan, its predicted
 goodput, attainment and latency percentiles, the latency source every candidate and
 baseline was timed with, and the best colocated and chunked-prefill plans on the same
 GPUs go to stdout (one JSON object with --json, the source under "latency_source").
+A rate the cluster (or `planner.maxGpus`) cannot serve gets the best plan that fits
+and a line saying by how much it falls short; `--capacity` plans for the most the
+cluster serves within the SLOs and prints that rate.
 
 A spec that leaves the cluster shape to the Nodes (as one applied to a cluster does)
 gets it from `--nodes/--gpus-per-node/--accelerator`, else from the current kubeconfig's
@@ -35,6 +38,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("-f", "--file", required=True, metavar="SPEC",
                         help="DistServeDeployment YAML manifest")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--capacity", action="store_true",
+                        help="plan for the highest rate the cluster serves within the SLOs "
+                        "(workload.rateRps ignored) and print it")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw SLO attainment against per-GPU rate for the plan and baselines")
     cluster = parser.add_argument_group(
@@ -76,7 +82,7 @@ def run(args) -> int:
     progress(f"cluster: {spec.cluster.nodes} x {spec.cluster.gpus_per_node} "
              f"{spec.cluster.accelerator} from {source}")
     try:
-        plan = plan_deployment(spec, progress=progress)
+        plan = plan_deployment(spec, progress=progress, is_capacity=args.capacity)
     except NoFeasiblePlan as err:
         print(f"error: no feasible plan: {err}", file=sys.stderr)
         return EXIT_NO_PLAN
@@ -102,8 +108,10 @@ def format_plan(plan: Plan, name: str, latency: SourceChoice | None = None) -> s
         "",
         f"  {'phase':<8} {'tp':>3} {'pp':>3} {'instances':>9} {'GPUs':>5}",
     ]
-    for role, phase in (("prefill", plan.prefill), ("decode", plan.decode)):
-        lines.append(f"  {role:<8} {phase.tp:>3} {phase.pp:>3} {phase.instances:>9} {phase.num_gpus:>5}")
+    for role in ("prefill", "decode"):
+        for phase in plan.groups(role):
+            lines.append(f"  {role:<8} {phase.tp:>3} {phase.pp:>3} {phase.instances:>9} "
+                         f"{phase.num_gpus:>5}")
     lines += [
         "",
         f"  goodput      {plan.goodput_rps:.2f} req/s  ({plan.per_gpu_goodput_rps:.3f} req/s per GPU)",
@@ -112,6 +120,11 @@ def format_plan(plan: Plan, name: str, latency: SourceChoice | None = None) -> s
     ]
     if plan.rate_rps:
         lines.append(f"  sized for    {plan.rate_rps} req/s")
+    if plan.shortfall_rps > 0:
+        lines.append(f"  short by     {plan.shortfall_rps:.2f} req/s: the best plan within "
+                     f"{plan.limited_by} serves {plan.goodput_rps:.2f} of {plan.rate_rps} req/s")
+    elif not plan.rate_rps and plan.limited_by:
+        lines.append(f"  capacity     {plan.goodput_rps:.2f} req/s within the SLOs on {plan.limited_by}")
     if latency is not None:
         lines.append(f"  latency      {latency.describe()}")
     if plan.latency:

@@ -44,6 +44,14 @@ def instance_counts(spec: DistServeDeploymentSpec, plan: Plan | None,
     if num_colocated:
         return {"colocated": num_colocated}
     if plan is not None:
+        if plan.is_mixed:
+            shapes = "; ".join(
+                f"{role} " + " + ".join(f"tp{g.tp}pp{g.pp} x{g.instances}" for g in plan.groups(role))
+                for role in ("prefill", "decode"))
+            raise SpecError(
+                f"the plan mixes instance shapes ({shapes}), and `distserve up` runs one tp and "
+                "pp per role: serve it on a cluster with the operator, or set spec.placement"
+            )
         return {"prefill": plan.prefill.instances, "decode": plan.decode.instances}
     if spec.placement is not None:
         return {"prefill": spec.placement.prefill.instances, "decode": spec.placement.decode.instances}

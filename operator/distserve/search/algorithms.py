@@ -10,6 +10,10 @@ NOTE: in Algorithm 2 a node may hold several prefill or decode segments of the s
 stage (num_prefill, num_decode), so the two phases need not be 1:1; the counts come from
 the phases' own goodputs, and the per-phase goodputs also bound the joint one, so
 pairs that cannot beat the best joint result so far are not simulated jointly.
+NOTE: a deployment sized for a rate packs copies of several units on the cluster's
+nodes (`packing`), so Algorithm 2 then also simulates the units close to the best
+(SHORTLIST_SHARE) and the best of every footprint (GPUs per node), whose copies fill
+the GPUs the others leave free.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from distserve.search.trials import Config, SearchContext, Unit, phase_goodput, 
 
 MAX_INSTANCES_PER_UNIT = 8
 MAX_RESIZES = 3  # Algorithm 1: joint re-simulations while growing the counts to the rate
+SHORTLIST_SHARE = 0.8  # units bound within this share of the best per GPU are simulated too
+MAX_SHORTLIST = 8  # most units simulated jointly for that reason (fill-ins not counted)
 
 
 @dataclass(frozen=True)
@@ -79,10 +85,13 @@ def best_phase_attainment(table: dict[tuple[str, Config], Goodput]) -> float:
 
 def algorithm1(
     pmap: Callable, ctx: SearchContext, configs: list[Config], cluster: ClusterShape,
-    rate_rps: float | None, progress: Callable[[str], None],
+    rate_rps: float | None, progress: Callable[[str], None], max_gpus: int | None = None,
+    is_capacity: bool = False,
 ) -> UnitChoice:
     """Best prefill and best decode configuration by per-GPU goodput, sized for rate_rps
-    (or balanced against each other when no rate is given), then simulated together."""
+    (or balanced against each other when no rate is given, or filling max_gpus with
+    is_capacity) within max_gpus (default: the cluster's), then simulated together."""
+    max_gpus = min(max_gpus or cluster.num_gpus, cluster.num_gpus)
     progress(f"algorithm 1: {len(configs)} configurations x 2 phases")
     table = phase_table(pmap, ctx, configs)
 
@@ -95,13 +104,20 @@ def algorithm1(
     if prefill_rps <= 0 or decode_rps <= 0:
         return UnitChoice(Unit(prefill, decode, 1, 1, ctx.inter_node_bytes_per_s), 1, Goodput(
             0.0, best_phase_attainment(table), 0))
-    if rate_rps:
+    if is_capacity:  # the rate both phases serve with max_gpus split between them
+        rate_rps = max_gpus / (prefill.num_gpus / prefill_rps + decode.num_gpus / decode_rps)
+        num_prefill = max(1, math.floor(rate_rps / prefill_rps))
+        num_decode = max(1, math.floor(rate_rps / decode_rps))
+        rate_rps = None
+    elif rate_rps:
         num_prefill, num_decode = math.ceil(rate_rps / prefill_rps), math.ceil(rate_rps / decode_rps)
     else:
         num_prefill, num_decode, _ = balance(prefill_rps, prefill.num_gpus, decode_rps,
                                              decode.num_gpus, cluster.num_gpus)
         num_prefill, num_decode = max(num_prefill, 1), max(num_decode, 1)
     for _ in range(MAX_RESIZES):
+        num_prefill, num_decode = within_gpus(
+            (num_prefill, prefill, prefill_rps), (num_decode, decode, decode_rps), max_gpus)
         unit = Unit(prefill, decode, num_prefill, num_decode, ctx.inter_node_bytes_per_s)
         progress(f"algorithm 1: prefill tp{prefill.tp}pp{prefill.pp} x{num_prefill}, "
                  f"decode tp{decode.tp}pp{decode.pp} x{num_decode}")
@@ -112,18 +128,36 @@ def algorithm1(
         # NOTE: both phases together miss more requests than either alone, so the
         # per-phase counts may fall short of the rate; grow both in proportion.
         scale = rate_rps / joint.rate_rps
-        num_prefill, num_decode = math.ceil(num_prefill * scale), math.ceil(num_decode * scale)
-        if num_prefill * prefill.num_gpus + num_decode * decode.num_gpus > cluster.num_gpus:
-            break
+        grown = within_gpus((math.ceil(num_prefill * scale), prefill, prefill_rps),
+                            (math.ceil(num_decode * scale), decode, decode_rps), max_gpus)
+        if grown == (num_prefill, num_decode):
+            break  # no more GPUs to grow into
+        num_prefill, num_decode = grown
     return UnitChoice(unit, 1, joint)
+
+
+def within_gpus(prefill: tuple[int, Config, float], decode: tuple[int, Config, float],
+                max_gpus: int) -> tuple[int, int]:
+    """(num_prefill, num_decode) cut to max_gpus: each (count, config, goodput of one)
+    loses instances from the phase that serves more, one at a time, down to one."""
+    (num_prefill, prefill_config, prefill_rps), (num_decode, decode_config, decode_rps) = prefill, decode
+    while num_prefill * prefill_config.num_gpus + num_decode * decode_config.num_gpus > max_gpus:
+        if num_prefill > 1 and (num_decode == 1 or num_prefill * prefill_rps >= num_decode * decode_rps):
+            num_prefill -= 1
+        elif num_decode > 1:
+            num_decode -= 1
+        else:
+            break
+    return num_prefill, num_decode
 
 
 def algorithm2(
     pmap: Callable, ctx: SearchContext, model, cluster: ClusterShape, min_kv: tuple[int, int],
-    progress: Callable[[str], None], batch_size: int = 2,
-) -> UnitChoice | None:
-    """Best (inter_op, prefill segment, decode segment) unit by joint per-GPU goodput;
-    None when no configuration fits. min_kv: (prefill, decode) KV tokens needed."""
+    progress: Callable[[str], None], batch_size: int = 2, is_packing: bool = False,
+) -> list[UnitChoice] | None:
+    """(inter_op, prefill segment, decode segment) units by joint per-GPU goodput, best
+    first: the best alone, or with is_packing the shortlist to pack copies of; None when
+    no configuration fits. min_kv: (prefill, decode) KV tokens needed."""
     inter_ops = [
         k for k in range(1, min(cluster.max_nodes_per_instance, cluster.num_nodes) + 1)
         if model.num_layers % k == 0
@@ -143,24 +177,49 @@ def algorithm2(
     ranked = _ranked_units(ctx, cluster, inter_op_to_segments, table, min_kv)
     if not ranked:
         unit = Unit(configs[0], configs[0], 1, 1, ctx.intra_node_bytes_per_s)
-        return UnitChoice(unit, 1, Goodput(0.0, best_phase_attainment(table), 0))
+        return [UnitChoice(unit, 1, Goodput(0.0, best_phase_attainment(table), 0))]
     progress(f"algorithm 2: {len(ranked)} prefill/decode segment pairs")
-    best: UnitChoice | None = None
+    share = SHORTLIST_SHARE if is_packing else 1.0
+    found: list[UnitChoice] = []
     for start in range(0, len(ranked), batch_size):
         batch = ranked[start:start + batch_size]
-        if best is not None and batch[0][0] <= best.per_gpu_rps:
-            break  # no pair left can beat the best joint goodput
-        # NOTE: the phases' bound (both phases' SLOs at once) is where bisection starts
-        results = pmap(unit_goodput, [
-            (ctx, unit, None, None, per_gpu * unit.num_gpus) for per_gpu, unit, _ in batch
-        ])
-        for (_, unit, inter_op), joint in zip(batch, results, strict=True):
-            choice = UnitChoice(unit, inter_op, joint)
-            if best is None or choice.per_gpu_rps > best.per_gpu_rps:
-                best = choice
+        best = found[0].per_gpu_rps if found else 0.0
+        if found and (batch[0][0] <= best * share or (is_packing and len(found) >= MAX_SHORTLIST)):
+            break  # no pair left can beat (or come near) the best joint goodput
+        found = _joint(pmap, ctx, batch, found)
         progress(f"algorithm 2: {min(start + batch_size, len(ranked))}/{len(ranked)} pairs "
-                 f"simulated jointly, best {best.per_gpu_rps:.3f} req/s per GPU")
-    return best
+                 f"simulated jointly, best {found[0].per_gpu_rps:.3f} req/s per GPU")
+    if not is_packing:
+        return found[:1]
+    fill_ins = _best_of_each_footprint(ranked, found)
+    if fill_ins:
+        found = _joint(pmap, ctx, fill_ins, found)
+        progress(f"algorithm 2: {len(fill_ins)} more units to fill nodes' free GPUs")
+    return [choice for choice in found if choice.goodput.rate_rps > 0] or found[:1]
+
+
+def _joint(pmap, ctx, batch, found: list[UnitChoice]) -> list[UnitChoice]:
+    """found with the batch's (bound per GPU, unit, inter_op) simulated jointly, best first."""
+    # NOTE: the phases' bound (both phases' SLOs at once) is where bisection starts
+    results = pmap(unit_goodput, [
+        (ctx, unit, None, None, per_gpu * unit.num_gpus) for per_gpu, unit, _ in batch
+    ])
+    found = found + [UnitChoice(unit, inter_op, joint)
+                     for (_, unit, inter_op), joint in zip(batch, results, strict=True)]
+    return sorted(found, key=lambda choice: -choice.per_gpu_rps)
+
+
+def _best_of_each_footprint(ranked, found: list[UnitChoice]) -> list:
+    """The best-bound unit of every footprint (GPUs per node) not simulated yet."""
+    seen = {(choice.unit, choice.inter_op) for choice in found}
+    footprints = {choice.unit.num_gpus // choice.inter_op for choice in found}
+    picks = []
+    for per_gpu, unit, inter_op in ranked:
+        footprint = unit.num_gpus // inter_op
+        if footprint not in footprints and (unit, inter_op) not in seen:
+            footprints.add(footprint)
+            picks.append((per_gpu, unit, inter_op))
+    return picks
 
 
 def _ranked_units(ctx, cluster, inter_op_to_segments, table, min_kv) -> list[tuple[float, Unit, int]]:

@@ -12,8 +12,8 @@ import numpy as np
 
 from distserve.plan import Plan
 from distserve.search.placement import pair_links
-from distserve.search.replicas import whole_unit
-from distserve.search.trials import SearchContext, run_baseline, run_unit
+from distserve.search.replicas import whole_instances
+from distserve.search.trials import Instances, SearchContext, run_baseline, run_unit
 
 
 @dataclass(frozen=True)
@@ -25,10 +25,11 @@ class Curve:
     attainment: list[float]
 
 
-def plan_unit(ctx: SearchContext, plan: Plan):
-    """The simulated unit of a whole plan, links from where its segments sit."""
+def plan_unit(ctx: SearchContext, plan: Plan) -> Instances:
+    """The simulated instances of a whole plan (every group of a mixed one), links from
+    where its segments sit."""
     links = pair_links(plan.segments, ctx.intra_node_bytes_per_s, ctx.inter_node_bytes_per_s)
-    return whole_unit(plan.prefill, plan.decode, links)
+    return whole_instances(plan.groups("prefill"), plan.groups("decode"), links)
 
 
 def attainment_curves(ctx: SearchContext, plan: Plan, num_points: int = 12) -> list[Curve]:

@@ -4,12 +4,15 @@ Under low node affinity (Algorithm 2) a unit's instances are cut into node-level
 segments, and all segments of the same stage (prefill and decode) go on one node, so
 KV moves over that node's link. Otherwise an instance stays on one node when it fits
 there, and its stages spread over nodes only when it does not. Nodes are filled in
-order (first fit), which leaves whole nodes free for later replicas.
+order (first fit), which leaves whole nodes free for later replicas. Copies of a
+second unit shape go into the GPUs the first shape's copies left free (a mixed plan);
+their instances are numbered after the first shape's.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from distserve.plan import PhaseConfig, SegmentPlacement
 from distserve.search.trials import Config, Unit
@@ -42,30 +45,83 @@ class _Nodes:
         taken, self.free[node] = self.free[node][:count], self.free[node][count:]
         return tuple(taken)
 
+    def can_hold(self, count: int, num_nodes: int) -> bool:
+        """Whether num_nodes distinct nodes have count free GPUs each."""
+        return sum(len(free) >= count for free in self.free) >= num_nodes
+
+
+# (unit, inter_op, copies): copies of one Algorithm 2 unit shape of inter_op node stages
+Shape = tuple[Unit, int, int]
+
+
+def gpus_per_node_of(unit: Unit, inter_op: int) -> int:
+    """GPUs one copy of the unit takes on each of its inter_op nodes."""
+    return unit.num_gpus // inter_op
+
 
 def place_units(
     node_names: list[str], gpus_per_node: int, unit: Unit, inter_op: int, num_units: int
 ) -> tuple[SegmentPlacement, ...]:
     """Segments for num_units replicas of an Algorithm 2 unit of inter_op node stages."""
+    return place_shapes(node_names, gpus_per_node, [(unit, inter_op, num_units)])
+
+
+def place_shapes(
+    node_names: list[str], gpus_per_node: int, shapes: Sequence[Shape]
+) -> tuple[SegmentPlacement, ...]:
+    """Segments for copies of one or more unit shapes, placed in order, first fit."""
     nodes = _Nodes(node_names, gpus_per_node)
+    role_to_first = {"prefill": 0, "decode": 0}
+    segments: list[SegmentPlacement] = []
+    for unit, inter_op, copies in shapes:
+        for _ in range(copies):
+            segments += _place_copy(nodes, unit, inter_op, role_to_first)
+    return tuple(segments)
+
+
+def copies_that_fit(
+    node_names: list[str], gpus_per_node: int, placed: Sequence[Shape], unit: Unit,
+    inter_op: int, limit: int,
+) -> int:
+    """How many copies of unit (at most limit) fit beside the shapes already placed."""
+    nodes = _Nodes(node_names, gpus_per_node)
+    role_to_first = {"prefill": 0, "decode": 0}
+    for placed_unit, placed_inter_op, copies in placed:
+        for _ in range(copies):
+            _place_copy(nodes, placed_unit, placed_inter_op, role_to_first)
+    per_node = gpus_per_node_of(unit, inter_op)
+    count = 0
+    while count < limit and nodes.can_hold(per_node, inter_op):
+        _place_copy(nodes, unit, inter_op, role_to_first)
+        count += 1
+    return count
+
+
+def _place_copy(
+    nodes: _Nodes, unit: Unit, inter_op: int, role_to_first: dict[str, int]
+) -> list[SegmentPlacement]:
+    """One copy's segments: its stage s on its s-th node, all on distinct nodes; its
+    instances numbered from role_to_first (advanced past them)."""
     (tp_p, pp_p), (tp_d, pp_d) = unit.prefill, unit.decode
     local_p, local_d = pp_p // inter_op, pp_d // inter_op
-    per_node = unit.n_prefill * tp_p * local_p + unit.n_decode * tp_d * local_d
+    per_node = gpus_per_node_of(unit, inter_op)
     segments = []
-    for u in range(num_units):
-        used: set[int] = set()
-        for s in range(inter_op):
-            node = nodes.node_with(per_node, used)
-            used.add(node)
-            for role, n, tp, local in (
-                ("prefill", unit.n_prefill, tp_p, local_p), ("decode", unit.n_decode, tp_d, local_d)
-            ):
-                for i in range(n):
-                    for j in range(local):
-                        segments.append(SegmentPlacement(
-                            role, u * n + i, s * local + j, node_names[node], nodes.take(node, tp)
-                        ))
-    return tuple(segments)
+    used: set[int] = set()
+    for s in range(inter_op):
+        node = nodes.node_with(per_node, used)
+        used.add(node)
+        for role, n, tp, local in (
+            ("prefill", unit.n_prefill, tp_p, local_p), ("decode", unit.n_decode, tp_d, local_d)
+        ):
+            for i in range(n):
+                for j in range(local):
+                    segments.append(SegmentPlacement(
+                        role, role_to_first[role] + i, s * local + j, nodes.names[node],
+                        nodes.take(node, tp),
+                    ))
+    role_to_first["prefill"] += unit.n_prefill
+    role_to_first["decode"] += unit.n_decode
+    return segments
 
 
 def place_instances(

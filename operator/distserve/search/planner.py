@@ -2,8 +2,10 @@
 
 It resolves what the spec leaves to the live cluster (node names, GPUs per node),
 samples the workload once, runs Algorithm 1 or 2 (or simulates a fixed placement),
-replicates the chosen unit for `workload.rateRps`, pins every segment to GPUs, and
-adds the best colocated and chunked-prefill baselines on the same number of GPUs.
+sizes the chosen units for `workload.rateRps` within the cluster and `planner.maxGpus`
+(or for the most the cluster serves, asked for its capacity: `sizing`), pins every
+segment to GPUs, and adds the best colocated and chunked-prefill baselines on the same
+number of GPUs.
 A replan searches the same way on what was observed (`SearchOverrides`: the observed
 workload and rate, a latency correction), without rewriting the spec.
 """
@@ -18,21 +20,24 @@ from dataclasses import dataclass
 from distserve.catalog import get_accelerator, get_model
 from distserve.catalog.accelerators import GBIT_BYTES
 from distserve.latency import Correction, SourceChoice, choose_source
-from distserve.plan import LatencyStats, PhaseConfig, Plan
-from distserve.search.algorithms import UnitChoice, algorithm1, algorithm2
+from distserve.plan import PhaseConfig, Plan
+from distserve.search.algorithms import UnitChoice
 from distserve.search.baselines import baseline_configs, best_baselines
 from distserve.search.candidates import ClusterShape, Config, instance_configs
 from distserve.search.cpus import usable_cpus
-from distserve.search.placement import (
-    ClusterTooSmall,
-    pair_links,
-    place_fixed,
-    place_instances,
-    place_units,
+from distserve.search.packing import Room
+from distserve.search.placement import ClusterTooSmall, pair_links, place_fixed
+from distserve.search.replicas import whole_unit
+from distserve.search.sizing import (
+    NoFeasiblePlan,
+    Sizing,
+    check_goodput,
+    high_affinity_plan,
+    latency_at,
+    low_affinity_plan,
 )
-from distserve.search.replicas import replicate, whole_unit
-from distserve.search.trials import SearchContext, Unit, run_unit, unit_goodput
-from distserve.simulator import SLO, SimResult, Trace
+from distserve.search.trials import SearchContext, unit_goodput
+from distserve.simulator import SLO, Trace
 from distserve.spec import DistServeDeploymentSpec, SpecError
 from distserve.workload import Workload, make_workload
 
@@ -49,15 +54,6 @@ class SearchOverrides:
     with_baselines: bool = True  # also search the colocated and chunked-prefill baselines
 
 
-class NoFeasiblePlan(ValueError):
-    """No placement fits in memory, or no rate meets the SLOs, or the cluster is too small."""
-
-    def __init__(self, reason: str, best_attainment: float = 0.0) -> None:
-        super().__init__(f"{reason} (best attainment found: {best_attainment:.1%})")
-        self.reason = reason
-        self.best_attainment = best_attainment
-
-
 def _silent(_: str) -> None:
     pass
 
@@ -65,9 +61,10 @@ def _silent(_: str) -> None:
 def plan_deployment(
     spec: DistServeDeploymentSpec, *, node_names: list[str] | None = None,
     gpus_per_node: int | None = None, progress: Callable[[str], None] | None = None,
-    overrides: SearchOverrides | None = None,
+    overrides: SearchOverrides | None = None, is_capacity: bool = False,
 ) -> Plan:
-    """The best placement for the spec (as overrides change it); NoFeasiblePlan when there is none."""
+    """The best placement for the spec (as overrides change it), or with is_capacity the
+    plan that serves the most the cluster holds; NoFeasiblePlan when there is none."""
     progress = progress or _silent
     overrides = overrides or SearchOverrides()
     started = time.perf_counter()
@@ -83,12 +80,17 @@ def plan_deployment(
     configs = instance_configs(
         model, ctx.accelerator, cluster, min_kv[1], ctx.latency, ctx.profile_path
     )
+    max_gpus = min(spec.planner.max_gpus or cluster.num_gpus, cluster.num_gpus)
+    sizing = Sizing(None if is_capacity else rate, is_capacity, Room(names, per_node, max_gpus))
+    algorithm = spec.planner.algorithm
+    if algorithm == "auto":
+        algorithm = "low-affinity" if spec.cluster.node_affinity == "low" else "high-affinity"
     with _pool(spec.planner.workers) as pmap:
         if spec.placement is not None:
             plan = _fixed(pmap, ctx, spec, names, per_node, rate)
         else:
             plan = _searched(
-                pmap, ctx, spec, model, cluster, names, min_kv, configs, progress, rate
+                pmap, ctx, model, cluster, min_kv, configs, progress, sizing, algorithm
             )
         base = {}
         if overrides.with_baselines and ctx.latency.can_time("colocated"):
@@ -178,55 +180,17 @@ def _min_kv_tokens(trace: Trace) -> tuple[int, int]:
     return int(trace.prompt_tokens.max()), int(total.max())
 
 
-def _searched(pmap, ctx, spec, model, cluster, names, min_kv, configs, progress, rate) -> Plan:
-    """Run the placement algorithm the spec asks for and turn its unit into a plan."""
+def _searched(pmap, ctx, model, cluster, min_kv, configs, progress, sizing, algorithm) -> Plan:
+    """Run the placement algorithm the spec asks for and size its units into a plan."""
     if not configs:
         raise NoFeasiblePlan(
             f"{model.name} ({model.weight_bytes / 1e9:.0f} GB of weights) fits no placement of "
             f"up to {cluster.max_nodes_per_instance} nodes x {cluster.gpus_per_node} "
             f"{ctx.accelerator} with room for a {min_kv[1]}-token request"
         )
-    algorithm = spec.planner.algorithm
-    if algorithm == "auto":
-        algorithm = "low-affinity" if spec.cluster.node_affinity == "low" else "high-affinity"
     if algorithm == "low-affinity":
-        choice = algorithm2(pmap, ctx, model, cluster, min_kv, progress)
-        if choice is None:
-            raise NoFeasiblePlan(
-                f"{model.name} fits no pair of prefill and decode segments inside one node "
-                f"of {cluster.gpus_per_node} {ctx.accelerator} (try nodeAffinity: high)"
-            )
-    else:
-        choice = algorithm1(pmap, ctx, configs, cluster, rate, progress)
-    _check_goodput(choice, ctx)
-    unit, goodput = choice.unit, choice.goodput
-    prefill = PhaseConfig(*unit.prefill, unit.n_prefill)
-    decode = PhaseConfig(*unit.decode, unit.n_decode)
-    try:
-        if algorithm == "low-affinity":
-            segments = place_units(names, cluster.gpus_per_node, unit, choice.inter_op, 1)
-            if rate:
-                copies = replicate(pmap, ctx, unit, choice.inter_op, goodput, rate,
-                                   names, cluster.gpus_per_node, progress)
-                unit, goodput, segments = copies.whole, copies.goodput, copies.segments
-                prefill = PhaseConfig(*unit.prefill, unit.n_prefill)
-                decode = PhaseConfig(*unit.decode, unit.n_decode)
-        else:
-            segments = place_instances(names, cluster.gpus_per_node, prefill, decode)
-    except ClusterTooSmall as err:
-        raise NoFeasiblePlan(
-            "the plan does not fit the cluster" + (f" at {rate} req/s" if rate else "")
-            + f": {err}", choice.goodput.attainment,
-        ) from None
-    stats, attained = _latency_at(pmap, ctx, unit, goodput.rate_rps)
-    return Plan(
-        algorithm=algorithm, model=ctx.model, accelerator=ctx.accelerator,
-        prefill=prefill, decode=decode, segments=segments,
-        goodput_rps=goodput.rate_rps, attainment=attained, latency=stats,
-        ttft_slo_s=ctx.slo.ttft_s, tpot_slo_s=ctx.slo.tpot_s,
-        attainment_target=ctx.slo.attainment, rate_rps=rate,
-        latency_source=ctx.latency.describe(),
-    )
+        return low_affinity_plan(pmap, ctx, model, cluster, min_kv, sizing, progress)
+    return high_affinity_plan(pmap, ctx, configs, cluster, sizing, progress)
 
 
 def _fixed(pmap, ctx, spec, names, per_node, rate) -> Plan:
@@ -249,38 +213,14 @@ def _fixed(pmap, ctx, spec, names, per_node, rate) -> Plan:
     unit = whole_unit(prefill, decode, links)
     (goodput,) = pmap(unit_goodput, [(ctx, unit)])
     choice = UnitChoice(unit, 1, goodput)
-    _check_goodput(choice, ctx)
-    stats, attained = _latency_at(pmap, ctx, unit, goodput.rate_rps)
+    check_goodput(choice, ctx)
+    stats, attained = latency_at(pmap, ctx, unit, goodput.rate_rps)
     return Plan(
         algorithm="fixed", model=ctx.model, accelerator=ctx.accelerator,
         prefill=prefill, decode=decode, segments=segments, goodput_rps=goodput.rate_rps,
         attainment=attained, latency=stats, ttft_slo_s=ctx.slo.ttft_s,
         tpot_slo_s=ctx.slo.tpot_s, attainment_target=ctx.slo.attainment,
         rate_rps=rate, latency_source=ctx.latency.describe(),
-    )
-
-
-def _check_goodput(choice: UnitChoice, ctx: SearchContext) -> None:
-    if choice.goodput.rate_rps <= 0:
-        s = ctx.slo
-        raise NoFeasiblePlan(
-            f"no request rate meets TTFT <= {s.ttft_s} s and TPOT <= {s.tpot_s} s for "
-            f"{s.attainment:.0%} of requests, even at a near-zero rate",
-            choice.goodput.attainment,
-        )
-
-
-def _latency_at(pmap, ctx: SearchContext, unit: Unit, rate_rps: float) -> tuple[LatencyStats, float]:
-    """Percentiles and attainment of a full trial (no early exit) at rate_rps."""
-    (result,) = pmap(run_unit, [(ctx, unit, rate_rps, None)])
-    return latency_stats(result), result.attainment(ctx.slo)
-
-
-def latency_stats(result: SimResult) -> LatencyStats:
-    """p50/p90/p99 TTFT and TPOT of a trial."""
-    q = result.percentile_s
-    return LatencyStats(
-        q("ttft", 50), q("ttft", 90), q("ttft", 99), q("tpot", 50), q("tpot", 90), q("tpot", 99)
     )
 
 

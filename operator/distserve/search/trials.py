@@ -89,6 +89,31 @@ class Unit:
         """GPUs the unit takes."""
         return self.n_prefill * self.prefill.num_gpus + self.n_decode * self.decode.num_gpus
 
+    def instances(self) -> Instances:
+        """Its instances one by one."""
+        return Instances(
+            (self.prefill,) * self.n_prefill, (self.decode,) * self.n_decode, self.link_bytes_per_s
+        )
+
+
+@dataclass(frozen=True)
+class Instances:
+    """Instances simulated together, each with its own configuration (a mixed plan's two
+    shapes), KV moving over one link or the link of each [prefill][decode] pair."""
+
+    prefill: tuple[Config, ...]
+    decode: tuple[Config, ...]
+    link_bytes_per_s: float | tuple[tuple[float, ...], ...]
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs they take."""
+        return sum(c.num_gpus for c in (*self.prefill, *self.decode))
+
+    def instances(self) -> Instances:
+        """Itself (a Unit spells its instances out the same way)."""
+        return self
+
 
 def instance_model(ctx: SearchContext, engine: str, config: Config) -> InstanceModel:
     """The memoised timer and KV capacity of one instance configuration."""
@@ -127,15 +152,18 @@ def _saturation_tokens(model, accelerator, source, profile_path, config) -> int:
     return prefill_saturation_tokens(timer.latency)
 
 
-def run_unit(ctx: SearchContext, unit: Unit, rate_rps: float, slo: SLO | None) -> SimResult:
+def run_unit(
+    ctx: SearchContext, unit: Unit | Instances, rate_rps: float, slo: SLO | None
+) -> SimResult:
     """One trial of a disaggregated unit (an empty side simulates the other phase alone)."""
-    prefill = [instance_model(ctx, "disaggregated", unit.prefill)] * unit.n_prefill
-    decode = [instance_model(ctx, "disaggregated", unit.decode)] * unit.n_decode
+    every = unit.instances()
+    prefill = [instance_model(ctx, "disaggregated", c) for c in every.prefill]
+    decode = [instance_model(ctx, "disaggregated", c) for c in every.decode]
     kv_bytes = get_model(ctx.model).kv_bytes_per_token
     return simulate_disaggregated(
         ctx.trial_trace(rate_rps), prefill, decode,
-        transfer=TransferModel(kv_bytes, unit.link_bytes_per_s), slo=slo,
-        max_prefill_tokens=prefill_tokens(ctx, unit.prefill),
+        transfer=TransferModel(kv_bytes, every.link_bytes_per_s), slo=slo,
+        max_prefill_tokens=[prefill_tokens(ctx, c) for c in every.prefill],
         max_decode_batch=ctx.max_decode_batch,
     )
 
@@ -186,18 +214,18 @@ def _phase_capacity(
 
 
 def unit_goodput(
-    ctx: SearchContext, unit: Unit, slo: SLO | None = None, rel_tol: float | None = None,
-    estimate_rps: float | None = None,
+    ctx: SearchContext, unit: Unit | Instances, slo: SLO | None = None,
+    rel_tol: float | None = None, estimate_rps: float | None = None,
 ) -> Goodput:
     """Goodput of a unit under slo (default: the context's), bisected to rel_tol
     (default REL_TOL) from estimate_rps (default: the instances' capacities)."""
     slo = slo or ctx.slo
     if estimate_rps is None:
-        bounds = []
-        if unit.n_prefill:
-            bounds.append(unit.n_prefill * _phase_capacity_rps(ctx, unit.prefill, "disaggregated")[0])
-        if unit.n_decode:
-            bounds.append(unit.n_decode * _phase_capacity_rps(ctx, unit.decode, "disaggregated")[1])
+        every = unit.instances()
+        bounds = [
+            sum(_phase_capacity_rps(ctx, c, "disaggregated")[side] for c in configs)
+            for side, configs in enumerate((every.prefill, every.decode)) if configs
+        ]
         estimate_rps = min(bounds)
     return find_goodput(
         lambda rate, s: run_unit(ctx, unit, rate, s), slo, estimate_rps, rel_tol or REL_TOL

@@ -235,14 +235,17 @@ def simulate_disaggregated(
     *,
     transfer: TransferModel | None,
     slo: SLO | None = None,
-    max_prefill_tokens: int = 512,
+    max_prefill_tokens: int | Sequence[int] = 512,
     max_decode_batch: int = 256,
 ) -> SimResult:
     """Run one trial. An empty `prefill` simulates decode alone (requests arrive
     prefilled); an empty `decode` simulates prefill alone (requests end at their first
-    token). With `slo`, the trial stops once the attainment target is out of reach."""
+    token). With `slo`, the trial stops once the attainment target is out of reach.
+    `max_prefill_tokens`: Lm of every prefill instance, or one per instance."""
     sim = _Sim(trace, slo)
-    sim.prefills = [_Prefill(sim, i, m, max_prefill_tokens) for i, m in enumerate(prefill)]
+    lms = ([max_prefill_tokens] * len(prefill) if isinstance(max_prefill_tokens, int)
+           else list(max_prefill_tokens))
+    sim.prefills = [_Prefill(sim, i, m, lm) for i, (m, lm) in enumerate(zip(prefill, lms, strict=True))]
     pps = [m.pp for m in prefill]
     sim.decodes = [
         _Decode(sim, i, m, max_decode_batch, transfer, pps) for i, m in enumerate(decode)

@@ -1,0 +1,143 @@
+"""Planning at cluster scale: copies packed onto nodes, mixed unit shapes, plans that
+fall short of the rate, the cluster's capacity, and the GPU budget."""
+
+from __future__ import annotations
+
+import pytest
+from test_search import make_spec
+
+from distserve.plan import Plan
+from distserve.search import build_context, plan_deployment
+from distserve.search.algorithms import UnitChoice
+from distserve.search.curves import plan_unit
+from distserve.search.goodput import Goodput
+from distserve.search.packing import Room, choose_mix
+from distserve.search.placement import place_shapes
+from distserve.search.trials import Config, Unit, run_unit
+
+
+def make_choice(gpus_per_node: int, goodput_rps: float, nodes: int = 1) -> UnitChoice:
+    """A unit of one prefill and one decode segment per node taking gpus_per_node GPUs on
+    each of `nodes` nodes, whose joint goodput is goodput_rps."""
+    prefill_gpus = gpus_per_node // 2
+    prefill = Config(prefill_gpus, nodes)
+    decode = Config(gpus_per_node - prefill_gpus, nodes)
+    return UnitChoice(Unit(prefill, decode, 1, 1, 1e9), nodes, Goodput(goodput_rps, 0.9, 1))
+
+
+def room(nodes: int = 4, gpus_per_node: int = 8, max_gpus: int | None = None) -> Room:
+    return Room([f"n{i}" for i in range(nodes)], gpus_per_node, max_gpus or nodes * gpus_per_node)
+
+
+def test_a_unit_that_fills_nodes_beats_a_better_per_gpu_one_that_strands_gpus():
+    strands = make_choice(6, 6.0)  # 1.0 req/s per GPU, 2 of 8 GPUs idle on every node
+    fills = make_choice(8, 7.2)  # 0.9 req/s per GPU
+    mix = choose_mix([strands, fills], room(), 28.0)
+    # 5 copies of the 6-GPU unit would serve 30, but only 4 fit (24 req/s)
+    assert mix.shapes == ((fills, 4),) and mix.estimate_rps >= 28.0
+    # a lower rate mixes the two: 3 copies that fill nodes, 1 that strands (30 GPUs)
+    mixed = choose_mix([strands, fills], room(), 26.0)
+    assert mixed.shapes == ((fills, 3), (strands, 1)) and mixed.num_gpus == 30
+
+
+def test_the_stranding_unit_wins_when_its_copies_fit():
+    strands, fills = make_choice(6, 6.0), make_choice(8, 7.2)
+    mix = choose_mix([strands, fills], room(), 17.0)
+    assert mix.shapes == ((strands, 3),) and mix.num_gpus == 18
+
+
+def test_a_second_shape_fills_the_gpus_the_first_leaves_free():
+    main = make_choice(6, 6.0)
+    small = make_choice(2, 1.6)
+    alone = [choose_mix([c], room(), None).estimate_rps for c in (main, small)]
+    assert alone == [24.0, pytest.approx(25.6)]  # 4 copies; 16 copies
+    mix = choose_mix([main, small], room(), 30.0)
+    assert mix.shapes == ((main, 4), (small, 4)) and mix.num_gpus == 32
+    assert mix.estimate_rps == pytest.approx(30.4)
+    segments = place_shapes(room().node_names, 8, mix.placed())
+    taken = [(s.node, g) for s in segments for g in s.gpu_ids]
+    assert len(taken) == len(set(taken)) == 32
+    # the second shape's instances are numbered after the first's
+    assert sorted({s.instance for s in segments if s.role == "decode"}) == list(range(8))
+
+
+def test_without_a_rate_the_mix_serving_the_most_is_chosen():
+    main, small = make_choice(6, 6.0), make_choice(2, 1.6)
+    mix = choose_mix([main, small], room(), None)
+    assert mix.estimate_rps == pytest.approx(30.4)
+
+
+def test_the_gpu_budget_bounds_the_copies():
+    main, small = make_choice(6, 6.0), make_choice(2, 1.6)
+    mix = choose_mix([main, small], room(max_gpus=20), 100.0)
+    assert mix.num_gpus <= 20
+    assert mix.shapes[0] == (main, 3)
+
+
+def test_nothing_fits_a_node_too_small():
+    assert choose_mix([make_choice(8, 7.2)], room(gpus_per_node=4), 5.0) is None
+
+
+def _shapes(plan: Plan) -> dict[str, list[tuple[int, int, int]]]:
+    return {role: [(g.tp, g.pp, g.instances) for g in plan.groups(role)]
+            for role in ("prefill", "decode")}
+
+
+def _assert_consistent(plan: Plan) -> None:
+    """Every instance of every group has its segments on distinct GPUs."""
+    taken = [(s.node, g) for s in plan.segments for g in s.gpu_ids]
+    assert len(taken) == len(set(taken)) == plan.num_gpus
+    for role in ("prefill", "decode"):
+        for i in range(plan.num_instances(role)):
+            phase = plan.phase_of(role, i)
+            stages = plan.segments_of(role, i)
+            assert [s.stage for s in stages] == list(range(phase.pp))
+            assert all(len(s.gpu_ids) == phase.tp for s in stages)
+    assert Plan.from_dict(plan.to_dict()) == plan
+
+
+def test_capacity_fills_the_cluster_with_a_mixed_plan_simulated_whole():
+    spec = make_spec(cluster={"nodes": 2, "gpusPerNode": 6})
+    plan = plan_deployment(spec, is_capacity=True)
+    assert plan.is_mixed and plan.num_gpus == 12
+    assert plan.rate_rps is None and plan.shortfall_rps == 0.0
+    assert "2 nodes x 6 GPUs" in plan.limited_by
+    _assert_consistent(plan)
+    ctx = build_context(spec)
+    whole = run_unit(ctx, plan_unit(ctx, plan), plan.goodput_rps, None)
+    assert whole.attainment(ctx.slo) >= 0.9
+
+
+def test_a_rate_beyond_the_cluster_gets_the_best_plan_that_fits_and_its_shortfall():
+    spec = make_spec(cluster={"nodes": 2, "gpusPerNode": 6}, workload={"rateRps": 500.0})
+    plan = plan_deployment(spec)
+    assert 0 < plan.goodput_rps < 500.0 and plan.num_gpus <= 12
+    assert plan.shortfall_rps == pytest.approx(500.0 - plan.goodput_rps)
+    assert "the cluster" in plan.limited_by
+    assert plan.to_dict()["shortfall_rps"] == pytest.approx(plan.shortfall_rps)
+    _assert_consistent(plan)
+
+
+def test_the_plan_stays_within_the_gpu_budget():
+    spec = make_spec(cluster={"nodes": 2, "gpusPerNode": 6}, workload={"rateRps": 500.0},
+                     planner={"maxGpus": 5})
+    plan = plan_deployment(spec)
+    assert plan.num_gpus <= 5 and plan.shortfall_rps > 0
+    assert "planner.maxGpus" in plan.limited_by
+
+
+def test_a_rate_the_cluster_serves_has_no_shortfall():
+    spec = make_spec(cluster={"nodes": 2, "gpusPerNode": 6}, workload={"rateRps": 20.0})
+    plan = plan_deployment(spec)
+    assert plan.goodput_rps >= 20.0 and plan.shortfall_rps == 0.0 and plan.limited_by == ""
+    assert plan.num_gpus < 12  # fewer GPUs than the capacity plan
+    _assert_consistent(plan)
+
+
+def test_plans_of_one_shape_keep_their_ids_and_documents():
+    plan = plan_deployment(make_spec())
+    doc = plan.to_dict()
+    assert doc["extra_prefill"] == [] and doc["extra_decode"] == []
+    old = {k: v for k, v in doc.items() if k not in ("extra_prefill", "extra_decode", "limited_by")}
+    assert Plan.from_dict(old).plan_id == plan.plan_id == doc["id"]
+    assert _shapes(plan)["prefill"] == [(plan.prefill.tp, plan.prefill.pp, plan.prefill.instances)]
