@@ -2,7 +2,9 @@
 
 An instance that answers reports its own health (an engine thread that died or stalled
 says so); one that does not answer is unhealthy until it answers again. A poll also
-feeds the load gauges. After each round the router's `after_poll` runs (it retires
+feeds the load gauges, and an instance that does not answer has its gauges zeroed
+(`on_unreachable`): a dead process runs nothing and holds no KV, and a gauge left at
+its last value would say otherwise. After each round the router's `after_poll` runs (it retires
 drained instances). A failure seen while serving a request triggers an immediate check
 of the instances involved (`check`), so a dead one stops getting work at once.
 """
@@ -23,10 +25,12 @@ class HealthPoller:
 
     def __init__(self, slots: Callable[[], list[Slot]], interval_s: float,
                  on_load: Callable[[InstanceLoad], None] | None = None,
-                 after_poll: Callable[[], Awaitable[None]] | None = None) -> None:
+                 after_poll: Callable[[], Awaitable[None]] | None = None,
+                 on_unreachable: Callable[[str, str], None] | None = None) -> None:
         self.slots = slots
         self.interval_s = interval_s
         self.on_load = on_load  # e.g. the metrics' load gauges
+        self.on_unreachable = on_unreachable  # (role, instance name) that did not answer
         self.after_poll = after_poll
         self._task: asyncio.Task | None = None
 
@@ -62,6 +66,8 @@ class HealthPoller:
             load = await slot.client.load()
         except InstanceError as exc:
             slot.is_healthy, slot.error = False, str(exc)
+            if self.on_unreachable is not None:
+                self.on_unreachable(slot.client.role, slot.client.name)
             return
         slot.is_healthy, slot.error = load.is_healthy, load.error
         slot.kv_usage = load.kv_usage

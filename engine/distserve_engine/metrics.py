@@ -44,6 +44,7 @@ E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 R10_MANTISSAS = (1.0, 1.25, 1.6, 2.0, 2.5, 3.15, 4.0, 5.0, 6.3, 8.0)
 DEFAULT_MAX_LENGTH_TOKENS = 131072  # bucket range when the context length is not set
+FINISHED_REASONS = ("stop", "length", "abort", "error")  # vLLM's, less `repetition`
 TRANSFER_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                       0.5, 1.0, 2.5, 5.0)
 SHAPE_PATTERN = re.compile(r"tp(\d+)pp(\d+)x(\d+)")  # a phase's shape in the plan settings
@@ -91,7 +92,11 @@ class ServingMetrics:
                              LABELS, buckets=E2E_BUCKETS_S, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.", LABELS, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", LABELS, registry=r)
-        self.success = Counter("vllm:request_success", "Finished requests by reason.",
+        # NOTE: as in vLLM, every ended request is counted here, by why it ended: failed
+        # (`error`) and aborted (`abort`: the client left) ones too; a success rate is
+        # the stop and length series over all of them.
+        self.success = Counter("vllm:request_success", "Ended requests by finished_reason "
+                               "(stop, length, abort, error).",
                                (*LABELS, "finished_reason"), registry=r)
         self.running = Gauge("vllm:num_requests_running", "Requests in a running batch.", LABELS, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued on an instance.", LABELS, registry=r)
@@ -145,6 +150,8 @@ class ServingMetrics:
             self.slo_met.labels(**labels, slo=slo)
         for status in ("429", "503"):
             self.rejected.labels(**labels, status=status)
+        for reason in FINISHED_REASONS:
+            self.success.labels(**labels, finished_reason=reason)
 
     def set_plan(self, plan_id: str | None, prefill: str = "", decode: str = "",
                  predicted_attainment: float | None = None,
@@ -225,6 +232,21 @@ class ServingMetrics:
         self.kv_usage.labels(**labels).set(load.kv_usage)
         self.held.labels(**labels).set(load.num_held)
         self.healthy.labels(**labels).set(1.0 if load.is_healthy else 0.0)
+
+    def set_unreachable(self, role: str, instance: str) -> None:
+        """An instance that does not answer: unhealthy, running and holding nothing."""
+        labels = {**self.labels, "role": role, "instance": instance}
+        for gauge in (self.running, self.waiting, self.kv_usage, self.held, self.healthy):
+            gauge.labels(**labels).set(0.0)
+
+    def forget_instance(self, role: str, instance: str) -> None:
+        """Drop the gauges of an instance the router no longer has (drained and removed)."""
+        labels = {**self.labels, "role": role, "instance": instance}
+        for gauge in (self.running, self.waiting, self.kv_usage, self.held, self.healthy):
+            try:
+                gauge.remove(*(labels[name] for name in LABELS))
+            except KeyError:  # never polled
+                pass
 
     def render(self) -> bytes:
         """The exposition text."""

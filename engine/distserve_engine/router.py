@@ -5,8 +5,9 @@ loaded decode instance, preferring the prefill's node); health comes from pollin
 instance's load (`health.py`), and an instance that fails a request is checked at once,
 so while it is unhealthy it gets nothing. The router counts what it has sent and not yet
 got back, so dispatch needs no round trip. Admission refuses a request with 503 when a
-phase has no healthy instance, and with 429 when too many requests wait for their first
-token.
+phase has no healthy instance (without `Retry-After`: nothing here knows when one comes
+back), and with 429 by the bounds of `admission.py` (waiting, in flight, and optionally
+the predicted TTFT), checked and counted in one step.
 
 A request whose instance fails (dies, or its KV pull fails) is resumed: the prompt and
 the tokens already streamed are prefilled again on a live instance and decoding goes on,
@@ -25,6 +26,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+from distserve_engine.admission import AdmissionControl, Overloaded, Ticket
 from distserve_engine.dispatch import NoInstance, Slot, pick_decode, pick_prefill
 from distserve_engine.health import HealthPoller
 from distserve_engine.interface import InstanceClient, InstanceError
@@ -33,19 +35,12 @@ from distserve_engine.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 1  # what a refused client is told to wait
 MAX_RECOVERIES = 3  # times one request is resumed after instance failures before it fails
 ROLES = ("prefill", "decode", "colocated")
 TIMELINE_HISTORY = 2000  # finished timelines kept for /debug/timelines
+INFLIGHT_BATCHES = 2  # default in-flight bound: waiting plus this many decode batches each
 
-
-class Overloaded(Exception):
-    """The request is refused: 429 (too many waiting) or 503 (no instance)."""
-
-    def __init__(self, status: int, message: str, retry_after_s: int = RETRY_AFTER_S) -> None:
-        super().__init__(message)
-        self.status = status
-        self.retry_after_s = retry_after_s
+__all__ = ["Overloaded", "Router"]
 
 
 class Router:
@@ -55,7 +50,8 @@ class Router:
                  colocated: list[InstanceClient] = (), *,
                  metrics: Any = None, max_waiting_requests: int = 256,
                  ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
-                 health_interval_s: float = 0.5, max_decode_batch: int | None = None) -> None:
+                 health_interval_s: float = 0.5, max_decode_batch: int | None = None,
+                 max_inflight_requests: int | None = None, admit_by_ttft: bool = False) -> None:
         if colocated and (prefill or decode):
             raise ValueError("router: give prefill and decode instances, or colocated ones")
         if not colocated and not (prefill and decode):
@@ -64,14 +60,21 @@ class Router:
         self.decode = [Slot(c) for c in decode]
         self.colocated = [Slot(c) for c in colocated]
         self.metrics = metrics
-        self.max_waiting_requests = max_waiting_requests
         self.ttft_slo_s, self.tpot_slo_s = ttft_slo_s, tpot_slo_s
         self.max_decode_batch = max_decode_batch  # a decode instance with this many has no room
-        self.num_waiting = 0  # admitted, first token not yet out (or not yet decoding)
+        self.max_inflight_requests = max_inflight_requests  # None: from the decode batches
+        self.admission = AdmissionControl(max_waiting_requests, None, ttft_slo_s, admit_by_ttft)
         self.timelines: deque[Timeline] = deque(maxlen=TIMELINE_HISTORY)
-        self.health = HealthPoller(lambda: self.slots, health_interval_s,
-                                   on_load=metrics.set_load if metrics is not None else None,
-                                   after_poll=self._retire_idle)
+        self.health = HealthPoller(
+            lambda: self.slots, health_interval_s,
+            on_load=metrics.set_load if metrics is not None else None,
+            after_poll=self._retire_idle,
+            on_unreachable=metrics.set_unreachable if metrics is not None else None)
+
+    @property
+    def num_waiting(self) -> int:
+        """Admitted requests whose first token is not out yet."""
+        return self.admission.num_waiting
 
     @property
     def slots(self) -> list[Slot]:
@@ -127,39 +130,55 @@ class Router:
             for slot in idle:
                 slots.remove(slot)
                 log.info("router: %s drained, removed", slot.client.name)
+                if self.metrics is not None:
+                    self.metrics.forget_instance(slot.client.role, slot.client.name)
                 await slot.client.close()
 
-    def admit(self) -> None:
-        """Raise Overloaded when the request cannot be taken now."""
+    def check_phases(self) -> None:
+        """Raise Overloaded (503) when a phase has no instance that can take work."""
         roles = (("colocated", self.colocated),) if self.colocated else (
             ("prefill", self.prefill), ("decode", self.decode))
         for role, slots in roles:
             if not any(s.can_take for s in slots):
                 raise Overloaded(503, f"no healthy {role} instance")
-        if self.num_waiting >= self.max_waiting_requests:
-            raise Overloaded(429, f"{self.num_waiting} requests already wait for their first "
-                                  f"token (limit {self.max_waiting_requests}); retry later")
 
-    async def generate(self, request: ServeRequest) -> AsyncIterator[TokenEvent]:
-        """Run one request; yield its token events (the first carries the first token)."""
+    def admit(self, num_prompt_tokens: int = 0) -> Ticket:
+        """Count a request in now, or raise Overloaded; the ticket goes to `generate`."""
+        self.check_phases()
+        entry = self.colocated or self.prefill
+        queued = min(s.num_outstanding_tokens for s in entry if s.can_take)
+        self.admission.max_inflight_requests = self._inflight_limit()
+        return self.admission.admit(queued + num_prompt_tokens)
+
+    def _inflight_limit(self) -> int | None:
+        """The in-flight bound: as set, else waiting plus INFLIGHT_BATCHES decode batches
+        per decode (or colocated) instance; None without a decode batch size."""
+        if self.max_inflight_requests is not None or self.max_decode_batch is None:
+            return self.max_inflight_requests
+        num_decoders = sum(s.can_take for s in (self.colocated or self.decode))
+        return (self.admission.max_waiting_requests
+                + INFLIGHT_BATCHES * self.max_decode_batch * num_decoders)
+
+    async def generate(self, request: ServeRequest, ticket: Ticket | None = None
+                       ) -> AsyncIterator[TokenEvent]:
+        """Run one request admitted with `ticket` (admitted now when None); yield its
+        token events (the first carries the first token)."""
+        if ticket is None:
+            ticket = self.admit(request.num_prompt_tokens)
         timeline = Timeline(request.request_id, request.arrival_s, request.num_prompt_tokens)
-        self.num_waiting += 1
-        is_waiting = True
         try:
             flow = self._colocated(request, timeline) if self.colocated else \
                 self._disaggregated(request, timeline)
             async for event in flow:
-                if is_waiting and (event.token_ids or event.is_last):
-                    self.num_waiting -= 1
-                    is_waiting = False
                 arrived_s = now_s()  # TTFT and TPOT are measured where the client is served
                 timeline.token_times_s.extend(arrived_s for _ in event.token_ids)
+                if event.token_ids or event.is_last:
+                    ticket.first_token(timeline.ttft_s if event.error is None else None)
                 if event.is_last:
                     timeline.finish_reason, timeline.error = event.finish_reason, event.error
                 yield event
         finally:
-            if is_waiting:
-                self.num_waiting -= 1
+            ticket.release()
             timeline.finished_s = now_s()
             if timeline.finish_reason is None and timeline.error is None:
                 timeline.finish_reason = "abort"
@@ -201,7 +220,7 @@ class Router:
                     await self.health.check(prefill, decode)
                     if isinstance(exc, NoInstance) or attempt == MAX_RECOVERIES:
                         is_done = True
-                        yield TokenEvent(rid, [], now_s(), error=_failure(exc, failures))
+                        yield TokenEvent(rid, [], now_s(), error=_failure(rid, exc, failures))
                         return
                     failures.append(str(exc))
                     log.warning("request %s: %s; resuming after %d tokens", rid, exc, len(streamed))
@@ -269,7 +288,7 @@ class Router:
                     await self.health.check(slot)
                     if isinstance(exc, NoInstance) or attempt == MAX_RECOVERIES:
                         is_done = True
-                        yield TokenEvent(rid, [], now_s(), error=_failure(exc, failures))
+                        yield TokenEvent(rid, [], now_s(), error=_failure(rid, exc, failures))
                         return
                     failures.append(str(exc))
                     log.warning("request %s: %s; resuming after %d tokens", rid, exc, len(streamed))
@@ -279,6 +298,12 @@ class Router:
                 asyncio.ensure_future(slot.client.cancel(rid))
 
 
-def _failure(exc: InstanceError, failures: list[str]) -> str:
-    """The error a client sees: why the request ended, and what failed it before."""
-    return f"{exc} (after: {'; '.join(failures)})" if failures else str(exc)
+def _failure(request_id: str, exc: InstanceError, failures: list[str]) -> str:
+    """The error a client sees: no instance name or URL (those are logged, with the
+    request's id); how many times the request was resumed before it ended."""
+    log.warning("request %s failed: %s%s", request_id, exc,
+                f" (after: {'; '.join(failures)})" if failures else "")
+    if isinstance(exc, NoInstance):
+        return f"{exc}; the request ended after {len(failures)} resumption(s)"
+    return (f"an instance failed while serving the request and it could not be resumed "
+            f"({len(failures)} resumption(s) tried)")

@@ -143,8 +143,24 @@ def test_dead_decode_instance_errors_at_once_then_503(deployment):
             pass
         instances["decode"].kill("injected fault")
         rest = [line for line in lines if line.startswith("data: ")]
-    assert any("injected fault" in line for line in rest)
+    errors = [json.loads(line[6:])["error"] for line in rest if '"error"' in line]
+    assert errors and errors[0]["message"].startswith("no healthy decode instance")
+    assert "injected fault" not in errors[0]["message"]  # instance detail is logged, not sent
     assert rest[-1] == "data: [DONE]"
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
-    assert r.status_code == 503 and "Retry-After" in r.headers
+    # No instance can say when it is back: no Retry-After to be retried against forever.
+    assert r.status_code == 503 and "Retry-After" not in r.headers
     assert httpx.get(f"{url}/health").status_code == 503
+
+    def decode_series(name: str) -> float:
+        text = httpx.get(f"{url}/metrics").text
+        line = next(x for x in text.splitlines()
+                    if x.startswith(name + "{") and 'instance="decode-0"' in x)
+        return float(line.rsplit(" ", 1)[1])
+
+    assert wait_until(lambda: decode_series("distserve_instance_healthy") == 0.0)
+    assert decode_series("vllm:num_requests_running") == 0.0
+    text = httpx.get(f"{url}/metrics").text
+    error_line = next(x for x in text.splitlines()
+                      if x.startswith("vllm:request_success_total") and 'reason="error"' in x)
+    assert float(error_line.rsplit(" ", 1)[1]) == 1.0

@@ -23,6 +23,9 @@ Arguments:
                        peers adds and drains instances; see `server/peers.py`).
   --cpu-cores LIST     pin the process to these cores (e.g. 0 or 0,1) and size torch's
                        threads to them.
+  --api-key KEYS       router: /v1 and /debug need `Authorization: Bearer KEY`, one of
+                       these comma-separated keys (default: $DISTSERVE_API_KEY; unset: open).
+                       Prefer the variable: a command line is visible to every local user.
   --shutdown-timeout-s S  after SIGTERM, how long in-flight requests may take to finish
                        (default 30); a pod's terminationGracePeriodSeconds must exceed it.
   --log-level LEVEL    uvicorn's log level (default warning).
@@ -56,6 +59,7 @@ ROLES = ("prefill", "decode", "colocated", "router", "all")
 # Thread pools that size themselves from the machine, not from the affinity mask, unless
 # told before the library is imported: OpenMP/MKL/OpenBLAS (torch), and the Rust pool of
 # Hugging Face tokenizers.
+API_KEY_ENV = "DISTSERVE_API_KEY"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS")
 
 
@@ -72,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for role in ("prefill", "decode", "colocated"):
         p.add_argument(f"--{role}-peers", default=None, help=f"{role} instance URLs (router)")
     p.add_argument("--cpu-cores", default=None, help="comma-separated core ids to pin to")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"router API keys, comma-separated (default ${API_KEY_ENV})")
     p.add_argument("--shutdown-timeout-s", type=float, default=30.0)
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
@@ -98,7 +104,7 @@ def build_app(args: argparse.Namespace):
     cores = layout.split_cores(all_cores)[0]  # rank 0's share; other ranks get the rest
     pin_process(cores)
     from distserve_engine.instance import workers
-    from distserve_engine.server import assembly
+    from distserve_engine.server import assembly, edge
     from distserve_engine.server.instance_app import build_instance_app
     from distserve_engine.server.settings import ServeSettings
 
@@ -118,11 +124,12 @@ def build_app(args: argparse.Namespace):
         if isinstance(runner, workers.DriverRunner):
             app.router.on_shutdown.append(runner.stop)
         return app
+    api_keys = tuple(edge.api_keys_from(args.api_key))
     if args.role == "all":
         router, instances, runner = assembly.build_in_process(settings)
         return assembly.build_frontend_app(
             settings, router, runner.tokenizer, runner.max_model_len,
-            on_shutdown=lambda: [i.stop() for i in instances])
+            on_shutdown=lambda: [i.stop() for i in instances], api_keys=api_keys)
     from distserve_engine.server.peers import PeerWatcher
 
     peers = dict(settings.peers)
@@ -135,7 +142,8 @@ def build_app(args: argparse.Namespace):
     router = assembly.build_router(settings, assembly.http_clients(peers), metrics)
     is_fixed = peers != settings.peers  # peers from the command line: nothing to watch
     watcher = None if is_fixed else PeerWatcher(args.config, router, assembly.http_clients)
-    return assembly.build_frontend_app(settings, router, tokenizer, max_model_len, watcher=watcher)
+    return assembly.build_frontend_app(settings, router, tokenizer, max_model_len, watcher=watcher,
+                                       api_keys=api_keys)
 
 
 def _worker_app(runner):

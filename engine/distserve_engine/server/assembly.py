@@ -71,7 +71,9 @@ def build_router(settings: ServeSettings, role_to_clients: dict[str, list[Any]],
                   role_to_clients.get("colocated", []), metrics=metrics,
                   max_waiting_requests=settings.max_waiting_requests,
                   ttft_slo_s=settings.ttft_slo_s, tpot_slo_s=settings.tpot_slo_s,
-                  max_decode_batch=settings.max_decode_batch)
+                  max_decode_batch=settings.max_decode_batch,
+                  max_inflight_requests=settings.max_inflight_requests,
+                  admit_by_ttft=settings.admit_by_ttft)
 
 
 def http_clients(peers: dict[str, list[str | dict[str, Any]]]) -> dict[str, list[HttpInstanceClient]]:
@@ -108,9 +110,11 @@ def build_in_process(settings: ServeSettings) -> tuple[Router, list[Any], Any]:
 
 
 def build_frontend_app(settings: ServeSettings, router: Router, tokenizer: Any,
-                       max_model_len: int, on_shutdown: Any = None, watcher: Any = None) -> Any:
+                       max_model_len: int, on_shutdown: Any = None, watcher: Any = None,
+                       api_keys: tuple[str, ...] = ()) -> Any:
     """The OpenAI app over a router; the router starts polling (and `watcher`, a
-    PeerWatcher, watching the settings file) when the app starts."""
+    PeerWatcher, watching the settings file) when the app starts. With `api_keys`, /v1
+    and /debug need one of them."""
     frontend = Frontend(router, tokenizer, settings.model_name, max_model_len,
                         settings.default_max_tokens)
 
@@ -126,7 +130,8 @@ def build_frontend_app(settings: ServeSettings, router: Router, tokenizer: Any,
         if on_shutdown is not None:
             on_shutdown()
 
-    return build_openai_app(frontend, router.metrics, on_startup=startup, on_shutdown=shutdown)
+    return build_openai_app(frontend, router.metrics, on_startup=startup, on_shutdown=shutdown,
+                            api_keys=api_keys, max_body_bytes=settings.max_request_body_bytes)
 
 
 def load_tokenizer(settings: ServeSettings) -> tuple[Any, int]:

@@ -1,16 +1,20 @@
 """The OpenAI request schemas (pydantic, the HTTP edge) and their engine parameters.
 
 Fields OpenAI defines are typed so a wrong type is a 400 naming the field; fields this
-server does not implement are accepted only at their no-op values (`n=1`, no logprobs);
-unknown fields are ignored, as OpenAI's clients send extras. `to_sampling_params`
+server does not implement (`UNSUPPORTED`: `best_of`, `response_format`, `tools`, ...) are
+accepted only at their no-op values (`n=1`, no logprobs, no tools) and refused with a
+400 naming the field otherwise, never silently ignored; unknown fields are ignored, as
+OpenAI's clients send extras. `parse_body` turns raw bytes into a request (run off the
+event loop: a large body takes a while to decode and validate); `to_sampling_params`
 checks what needs the prompt length (`max_tokens` against the context).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from distserve_engine.sampling import SamplingParams
 
@@ -48,18 +52,27 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)  # one choice per request
-    logprobs: Any = None
+    logprobs: Any = None  # unsupported: see UNSUPPORTED
+    top_logprobs: Any = None
+    best_of: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
 
-    @model_validator(mode="after")
-    def _check_unsupported(self) -> _SamplingFields:
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
+    def check_supported(self) -> None:
+        """BadRequest naming the first field set to something this server does not do."""
+        for name, no_ops in UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value is not None and not any(value == v for v in no_ops):
+                raise BadRequest(f"{name}: not supported by this server (use the default)", name)
         if isinstance(self.stop, list) and len(self.stop) > 4:
-            raise ValueError("stop: at most 4 sequences")
-        return self
+            raise BadRequest("stop: at most 4 sequences", "stop")
 
     @property
     def include_usage(self) -> bool:
@@ -69,6 +82,14 @@ class _SamplingFields(BaseModel):
     def requested_max_tokens(self) -> int | None:
         """The client's output limit (chat also reads max_completion_tokens)."""
         return self.max_tokens
+
+
+# Fields accepted only at these no-op values; anything else is a 400 naming the field.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "logit_bias": ({},),
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",),
+}
 
 
 class CompletionRequest(_SamplingFields):
@@ -146,4 +167,53 @@ def to_sampling_params(req: _SamplingFields, num_prompt_tokens: int, max_model_l
         raise BadRequest("stop: must not contain empty strings", "stop")
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, seed=req.seed, stop=stop,
-                          stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
+                          stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+                          presence_penalty=req.presence_penalty,
+                          frequency_penalty=req.frequency_penalty)
+
+
+def parse_body(model: type[_SamplingFields], body: bytes) -> _SamplingFields:
+    """The request in `body` (UTF-8 JSON), checked; BadRequest naming the field."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"body: not valid UTF-8 (byte {exc.start})", "body") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"body: not valid JSON ({exc.msg} at line {exc.lineno} column "
+                         f"{exc.colno})", "body") from None
+    if not isinstance(doc, dict):
+        raise BadRequest("body: must be a JSON object", "body")
+    try:
+        request = model.model_validate(doc)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+    request.check_supported()
+    return request
+
+
+def validation_error(errors: list[Any]) -> BadRequest:
+    """The BadRequest of pydantic's first error, naming the field as OpenAI does
+    (`messages.0.role`, not pydantic's union member tags such as `prompt.str`)."""
+    err = errors[0]
+    param = param_of(err.get("loc", ()))
+    message = str(err.get("msg", "invalid"))
+    return BadRequest(f"{param}: {message}" if param else message, param or "body")
+
+
+def param_of(loc: tuple[Any, ...]) -> str | None:
+    """The field a pydantic error location points at: request field names and list
+    indices, up to the first union member tag."""
+    if loc and loc[0] in ("body", "query", "path"):
+        loc = loc[1:]
+    parts: list[str] = []
+    for part in loc:
+        if not (isinstance(part, int) or part in FIELD_NAMES):
+            break
+        parts.append(str(part))
+    return ".".join(parts) or None
+
+
+FIELD_NAMES = {name for m in (CompletionRequest, ChatCompletionRequest, ChatMessage,
+                              ContentPart, StreamOptions) for name in m.model_fields} | {"limit"}

@@ -7,14 +7,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-ERROR_TYPE_BY_STATUS = {400: "invalid_request_error", 404: "not_found_error",
-                        429: "rate_limit_exceeded", 503: "service_unavailable"}
+ERROR_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "invalid_request_error",
+                        404: "invalid_request_error", 405: "invalid_request_error",
+                        413: "invalid_request_error", 429: "rate_limit_exceeded",
+                        503: "service_unavailable"}
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """{"error": {...}} as OpenAI returns it."""
+def error_body(message: str, status: int, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """{"error": {...}} as OpenAI returns it (`type` from the status; 5xx: server_error)."""
     return {"error": {"message": message, "type": ERROR_TYPE_BY_STATUS.get(status, "server_error"),
-                      "param": param, "code": None}}
+                      "param": param, "code": code}}
 
 
 def sse(doc: dict[str, Any] | str) -> str:

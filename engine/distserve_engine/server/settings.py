@@ -3,6 +3,7 @@
     {"deployment": "local", "model_name": "HuggingFaceTB/SmolLM2-135M-Instruct",
      "engine": {"model": "/path", "device": "cpu", "max_model_len": 2048, ...},  # EngineConfig
      "max_prefill_tokens": 512, "max_decode_batch": 32, "max_waiting_requests": 128,
+     "max_inflight_requests": 256, "admit_by_ttft": false, "max_request_body_bytes": 2097152,
      "default_max_tokens": 256, "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
      "instances": {"prefill": 1, "decode": 1, "colocated": 0},   # for --role all
      "peers": {"prefill": ["http://p0:8001"], "decode": [...]},  # for --role router
@@ -56,6 +57,9 @@ class ServeSettings:
     max_prefill_tokens: int = 512  # Lm: prefill batches fill up to this many tokens
     max_decode_batch: int = 64  # most sequences in one decode batch
     max_waiting_requests: int = 128  # router refuses (429) beyond this many waiting
+    max_inflight_requests: int | None = None  # 429 beyond; None: waiting + 2 decode batches each
+    admit_by_ttft: bool = False  # 429 at once when the queue ahead would miss the TTFT SLO
+    max_request_body_bytes: int = 2 * 1024 * 1024  # 413 beyond
     default_max_tokens: int | None = 256  # chat output limit when the client gives none
     slo: dict[str, float] = field(default_factory=dict)  # ttft_s, tpot_s
     instances: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
@@ -66,6 +70,11 @@ class ServeSettings:
     def __post_init__(self) -> None:
         if isinstance(self.plan, dict):
             self.plan = PlanInfo.from_dict(self.plan)
+        if not isinstance(self.max_request_body_bytes, int) or self.max_request_body_bytes < 1:
+            raise ValueError(f"serve settings: max_request_body_bytes must be an integer >= 1, "
+                             f"got {self.max_request_body_bytes!r}")
+        if self.admit_by_ttft and self.ttft_slo_s is None:
+            raise ValueError("serve settings: admit_by_ttft needs slo.ttft_s")
 
     def engine_config(self) -> EngineConfig:
         """The EngineConfig of every instance."""
