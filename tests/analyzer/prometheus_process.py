@@ -31,9 +31,12 @@ def require_prometheus() -> str:
 
 
 class PrometheusProcess:
-    """Prometheus scraping `targets` (host:port) every second, storing under `folder`."""
+    """Prometheus scraping `targets` (host:port) every second, storing under `folder`;
+    optionally evaluating `rule_files` every second, adding `labels` to every series and
+    keeping the targets' own `instance` labels (`honor_labels`, as the chart's PodMonitor)."""
 
-    def __init__(self, targets: list[str], folder: Path) -> None:
+    def __init__(self, targets: list[str], folder: Path, rule_files: tuple[Path, ...] = (),
+                 labels: dict[str, str] | None = None, honor_labels: bool = False) -> None:
         self.binary = require_prometheus()
         self.folder = folder
         self.port = free_port()
@@ -42,7 +45,9 @@ class PrometheusProcess:
         config.write_text(
             f"global:\n  scrape_interval: {SCRAPE_INTERVAL_S}s\n  evaluation_interval: {SCRAPE_INTERVAL_S}s\n"
             f"scrape_configs:\n  - job_name: distserve\n    scrape_timeout: {SCRAPE_INTERVAL_S}s\n"
-            f"    static_configs:\n      - targets: {targets!r}\n")
+            f"    honor_labels: {str(honor_labels).lower()}\n"
+            f"    static_configs:\n      - targets: {targets!r}\n        labels: {labels or {}!r}\n"
+            f"rule_files: {[str(f) for f in rule_files]!r}\n")
         self.args = [self.binary, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
                      f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]
         self.process: subprocess.Popen | None = None
