@@ -21,9 +21,9 @@ from kmock_cluster import (
 )
 from kopf.testing import KopfRunner
 from test_k8s_operator import _applied, _only_revision, _phase, opt13b_spec, stop
-from test_k8s_rollout import _router_instances, _wait
+from test_k8s_rollout import _wait
 
-from distserve.k8s import draining, handlers, monitoring, naming, nodes, reconciling
+from distserve.k8s import draining, handlers, naming, nodes, reconciling
 from distserve.k8s import status as st
 
 pytestmark = [pytest.mark.k8s]
@@ -54,15 +54,6 @@ def test_node_problems_name_the_plan_nodes_and_an_empty_cluster():
     assert nodes.node_problems({"node-0"}, [make_node("b", ready=False)], is_cpu=False) == [
         "no Ready node offering nvidia.com/gpu in the cluster"]
     assert nodes.node_problems({"cpu"}, [make_node("cpu", 0)], is_cpu=True) == []
-
-
-def test_a_drain_deadline_in_the_status_wins_over_the_current_timeout():
-    timing = reconciling.Timing(monitor_interval_s=1, drain_seconds=5, drain_min_seconds=0)
-    status = {"drainingSince": "2030-01-01T00:00:00Z", "drainDeadline": "2030-01-01T00:10:00Z"}
-    started, deadline = monitoring.drain_window(status, timing)
-    assert (deadline - started).total_seconds() == 600
-    del status["drainDeadline"]  # written before deadlines were kept: the current timeout
-    assert (monitoring.drain_window(status, timing)[1] - started).total_seconds() == 5
 
 
 @pytest.mark.kmock(cls=VersionedEmulator)
@@ -144,51 +135,38 @@ async def test_drain_deadline_survives_an_operator_restart(kmock, monkeypatch):
     runner = KopfRunner(OPERATOR_ARGS, timeout=30).__enter__()
     try:
         await asyncio.sleep(2)
-        status = await status_of(api, "opt")
+        status = (await status_of(api, "opt"))["reshuffle"]
         assert (status["drainingSince"], status["drainDeadline"]) == (since, deadline)
         assert len({p["metadata"]["labels"][naming.REVISION_LABEL]
                     for p in await owned(api, "Pod", "opt")}) == 2
-        await _wait(lambda: _only_revision(api, "opt", second["revision"]), timeout_s=40)
+        drained = await _wait(lambda: _async(_events(kmock, "Drained")), timeout_s=40)
         assert datetime.datetime.now(datetime.timezone.utc) >= st.parse_iso(deadline)
-        drained = await _wait(lambda: _async(_events(kmock, "Drained")))  # posted after
-        assert f"drain deadline {deadline}" in drained[-1]["message"]
-        status = await _wait(lambda: _no_drain(api))
-        assert "drainDeadline" not in status
+        assert f"drain deadline {deadline}" in drained[0]["message"]
+        await _wait(lambda: _only_revision(api, "opt", second["revision"]), timeout_s=120)
+        status = await _wait(lambda: _no_drain(api), timeout_s=60)
+        assert "reshuffle" not in status
     finally:
         await stop(runner)
 
 
 @pytest.mark.kmock(cls=VersionedEmulator)
-async def test_an_old_revision_without_pods_is_removed(kmock, monkeypatch):
-    async def busy(url: str) -> dict:
-        return {"num_running": 1}
-
-    monkeypatch.setattr(draining, "probe_load", busy)
-    monkeypatch.setattr(handlers, "TIMING", reconciling.Timing(
-        monitor_interval_s=0.5, drain_seconds=300, drain_min_seconds=0))
+async def test_objects_of_a_revision_no_live_instance_comes_from_are_removed(kmock):
     api = prepare(kmock)
     runner = KopfRunner(OPERATOR_ARGS, timeout=30).__enter__()
     try:
         await api.create(make_resource("opt", opt13b_spec(0.15, 0.1)))
         first = await _wait(lambda: _applied(api, "opt"))
-        await api.patch("DistServeDeployment", NAMESPACE, "opt",
-                        {"spec": {"slo": {"ttftSeconds": 0.25, "tpotSeconds": 0.05}}})
-        second = await _wait(lambda: _applied(api, "opt", not_plan=first["planId"]))
-        old = {naming.REVISION_LABEL: first["revision"]}
-        assert await owned(api, "Service", "opt", **old)
-        # the old pods vanish (evicted, deleted by hand) before any drain
-        for pod in await owned(api, "Pod", "opt", **old):
-            await api.delete("Pod", NAMESPACE, pod["metadata"]["name"])
+        # what a replaced reshuffle leaves: a Service of a revision nothing runs any more
+        gone = {naming.DEPLOYMENT_LABEL: "opt", naming.REVISION_LABEL: "deadbeef"}
+        await api.create({"apiVersion": "v1", "kind": "Service", "metadata": {
+            "name": "opt-deadbeef-p0", "namespace": NAMESPACE, "labels": gone}, "spec": {}})
 
         async def old_gone():
-            left = [o for kind in ("Service", "ConfigMap", "Pod")
-                    for o in await owned(api, kind, "opt", **old)]
-            routed = {e["revision"] for e in await _router_instances(api)}
-            return not left and routed == {second["revision"]}
+            return not await owned(api, "Service", "opt", **{naming.REVISION_LABEL: "deadbeef"})
         await _wait(old_gone)
         removed = await _wait(lambda: _async(_events(kmock, "Removed")))
-        assert first["revision"] in removed[0]["message"]
-        assert await owned(api, "Service", "opt", **{naming.REVISION_LABEL: second["revision"]})
+        assert "deadbeef" in removed[0]["message"]
+        assert await owned(api, "Service", "opt", **{naming.REVISION_LABEL: first["revision"]})
     finally:
         await stop(runner)
 
@@ -198,10 +176,11 @@ async def _async(value):
 
 
 async def _draining(api):
-    status = await status_of(api, "opt")
-    return status if status.get("drainingSince") else None
+    shuffle = (await status_of(api, "opt")).get("reshuffle") or {}
+    return shuffle if shuffle.get("drainingSince") else None
 
 
 async def _no_drain(api):
+    await play_kubelet(api, "opt")
     status = await status_of(api, "opt")
-    return status if not status.get("drainingSince") else None
+    return status if not status.get("reshuffle") else None

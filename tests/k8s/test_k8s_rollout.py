@@ -1,5 +1,6 @@
-"""A plan switch against kmock: new pods and a router ConfigMap update, no router roll,
-old pods deleted only once their instances are idle; and a deleted pod comes back."""
+"""A plan switch against kmock: new pods and router ConfigMap updates, no router roll,
+an old instance deleted only once it is idle (the others wait their turn); and a
+deleted pod comes back."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from kmock_cluster import (
     prepare,
 )
 from kopf.testing import KopfRunner
-from test_k8s_operator import _applied, _only_revision, _phase, opt13b_spec, stop
+from test_k8s_operator import _applied, _only_revision, _phase, _served, opt13b_spec, stop
 
 from distserve.k8s import draining, handlers, naming, reconciling
 
@@ -39,7 +40,7 @@ async def _revisions(api) -> set[str]:
     return {p["metadata"]["labels"][naming.REVISION_LABEL] for p in await owned(api, "Pod", "opt")}
 
 
-async def test_slo_change_updates_router_config_and_deletes_old_pods_once_idle(kmock, monkeypatch):
+async def test_slo_change_drains_one_old_instance_at_a_time_without_rolling_the_router(kmock, monkeypatch):
     is_busy = {"old": True}
 
     async def probe(url: str) -> dict:
@@ -62,17 +63,23 @@ async def test_slo_change_updates_router_config_and_deletes_old_pods_once_idle(k
         second = await _wait(lambda: _applied(api, "opt", not_plan=first["planId"]))
         await play_kubelet(api, "opt")
 
-        async def old_draining():
-            entries = await _router_instances(api)
-            return all(e["draining"] == (e["revision"] != second["revision"]) for e in entries)
-        await _wait(old_draining, what=lambda: _debug(first, second))
-        await asyncio.sleep(2)  # several monitor rounds: the old instances are still busy
+        async def one_old_draining():
+            await play_kubelet(api, "opt")
+            return [e for e in await _router_instances(api) if e["draining"]]
+        draining_now = await _wait(one_old_draining, what=lambda: _debug(first, second))
+        await asyncio.sleep(2)  # several monitor rounds: the drained instance is still busy
+        assert [e["revision"] for e in draining_now] == [first["revision"]]
         assert len(await _revisions(api)) == 2 and first["revision"] != second["revision"]
         settings = json.loads((await api.get("ConfigMap", NAMESPACE, "opt-router"))["data"]["serve.json"])
-        assert {p["name"].rsplit("-", 1)[-1] for p in settings["peers"]["decode"]} == {second["revision"]}
+        peers = {p["name"] for role in ("prefill", "decode") for p in settings["peers"][role]}
+        assert draining_now[0]["name"] not in peers  # no new request goes to it
+        pods = await owned(api, "Pod", "opt", **{naming.DRAINING_LABEL: "true"})
+        assert [p["metadata"]["labels"][naming.INSTANCE_LABEL] for p in pods] == \
+            [str(draining_now[0]["instance"])]
 
         is_busy["old"] = False
-        await _wait(lambda: _only_revision(api, "opt", second["revision"]))
+        await _wait(lambda: _only_revision(api, "opt", second["revision"]), timeout_s=120)
+        await _wait(lambda: _served(api, "opt"), timeout_s=60)
         assert {e["revision"] for e in await _router_instances(api)} == {second["revision"]}
         assert _router_writes(kmock)[writes_before:] == []  # the router pods were not rolled
     finally:

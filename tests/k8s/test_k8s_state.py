@@ -84,18 +84,21 @@ def test_health_names_stuck_pods():
                                "pod c CrashLoopBackOff")
 
 
-def test_route_instances_adds_drains_and_removes_revisions():
+def test_route_instances_adds_drains_and_removes_instances_and_revisions():
     old = make_revision()
     new = make_revision(plan=make_plan(decode=(1, 1, 3)))
     routed = applying.route_instances([], add=workers.instance_endpoints(old))
     routed = applying.route_instances(routed, add=workers.instance_endpoints(new))
     assert [(e["revision"], e["draining"]) for e in routed].count((old.id, False)) == 3
     assert len(routed) == 3 + 4
-    drained = applying.route_instances(routed, draining=frozenset({old.id}))
-    assert {e["draining"] for e in drained if e["revision"] == old.id} == {True}
-    assert {e["draining"] for e in drained if e["revision"] == new.id} == {False}
-    removed = applying.route_instances(drained, removed=frozenset({old.id}))
-    assert {e["revision"] for e in removed} == {new.id}
+    one = f"decode-1-{old.id}"
+    drained = applying.route_instances(routed, draining=frozenset({one}))
+    assert [e["name"] for e in drained if e["draining"]] == [one]
+    assert applying.route_instances(drained, serving=frozenset({one})) == routed
+    removed = applying.route_instances(drained, removed=frozenset({one}))
+    assert one not in {e["name"] for e in removed} and len(removed) == 6
+    gone = applying.route_instances(removed, removed_revisions=frozenset({old.id}))
+    assert {e["revision"] for e in gone} == {new.id}
 
 
 def test_patches_of_pods_touch_only_metadata_and_quantities_compare_as_text():

@@ -38,13 +38,16 @@ async def monitor(api: ApiClient, body: Any, timing: Timing) -> None:
     if not status.get("revision"):
         return
     found_nodes = await planning.read_nodes(api)
+    spec = shaped = None
     try:
-        spec, known = await planning.shape_spec(api, planning.parse(body["spec"]), found_nodes)
-    except planning.Unplannable:
-        spec, known = None, frozenset()
+        spec = planning.parse(body["spec"])
+        shaped, known = await planning.shape_spec(api, spec, found_nodes)
+    except planning.Unplannable:  # no usable node (judged below), or a spec gone bad
+        shaped, known = None, frozenset()
     fields: dict[str, Any] = {}
     found = await applying.inventory(api, owner)
-    if spec is not None:
+    if shaped is not None:
+        spec = shaped
         await heal(api, body, owner, status, spec, set(known), found)
         await remove_dead_revisions(api, body, owner, status, spec, found)
         fields = await rollout.advance(api, body, owner, status, spec, set(known), timing)
