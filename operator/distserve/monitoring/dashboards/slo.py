@@ -34,7 +34,7 @@ def attainment_panel() -> object:
                     "ones count as misses), beside the planner's prediction at its goodput; the "
                     f"line is the {ATTAINMENT_OBJECTIVE:.0%} objective the alerts burn against.",
                     "percentunit", observed, predicted).max(1)
-    return p.dashed(p.threshold_line(panel, ATTAINMENT_OBJECTIVE), "/^predicted/", "blue")
+    return p.dashed(p.threshold_line(panel, ATTAINMENT_OBJECTIVE), "^predicted", "blue")
 
 
 def goodput_panel() -> object:
