@@ -48,7 +48,7 @@ class Member:
 
     def footprint(self, engine_hash: str) -> reshuffling.Instance:
         """What the reshuffle planner compares: role, parallelism, GPUs, engine."""
-        phase = self.plan.prefill if self.role == "prefill" else self.plan.decode
+        phase = self.plan.phase_of(self.role, self.index)  # type: ignore[arg-type]
         stages = tuple((s.node, tuple(s.gpu_ids))
                        for s in self.plan.segments_of(self.role, self.index))  # type: ignore[arg-type]
         engine = engine_hash if self.revision is not None else f"stale-{self.revision_id}"
@@ -79,8 +79,7 @@ def plan_members(revision: naming.Revision) -> list[Member]:
     """Every instance of a revision's plan."""
     plan = revision.plan
     return [Member(revision.id, plan, role, i, revision)
-            for role, phase in (("prefill", plan.prefill), ("decode", plan.decode))
-            for i in range(phase.instances)]
+            for role in ("prefill", "decode") for i in range(plan.num_instances(role))]
 
 
 def revision_plans(status: dict[str, Any]) -> dict[str, Plan]:
@@ -105,8 +104,7 @@ def live_members(owner: naming.Owner, spec: specs.DistServeDeploymentSpec,
             return []
         plans, records = {revision_id: plan}, [
             {"revision": revision_id, "role": role, "index": i}
-            for role, phase in (("prefill", plan.prefill), ("decode", plan.decode))
-            for i in range(phase.instances)]
+            for role in ("prefill", "decode") for i in range(plan.num_instances(role))]
     return [member(owner, spec, r["revision"], plans[r["revision"]], r["role"], int(r["index"]))
             for r in records if r.get("revision") in plans]
 

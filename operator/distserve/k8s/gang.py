@@ -26,7 +26,7 @@ def is_enabled(revision: naming.Revision) -> bool:
 
 def pod_group_name(revision: naming.Revision, role: str, instance: int) -> str | None:
     """The PodGroup of an instance, or None when it needs none (one pod, or disabled)."""
-    phase = revision.plan.prefill if role == "prefill" else revision.plan.decode
+    phase = revision.plan.phase_of(role, instance)  # type: ignore[arg-type]
     if not is_enabled(revision) or phase.pp < 2:
         return None
     return naming.instance_name(revision, role, instance)
@@ -36,8 +36,9 @@ def build_pod_groups(revision: naming.Revision) -> list[dict[str, Any]]:
     """One PodGroup per instance of several pods."""
     gang = revision.spec.engine.gang_scheduling
     groups = []
-    for role, phase in (("prefill", revision.plan.prefill), ("decode", revision.plan.decode)):
-        for instance in range(phase.instances):
+    for role in ("prefill", "decode"):
+        for instance in range(revision.plan.num_instances(role)):
+            phase = revision.plan.phase_of(role, instance)
             name = pod_group_name(revision, role, instance)
             if name is None:
                 continue

@@ -97,9 +97,12 @@ async def plan_resource(api: ApiClient, body: Any) -> None:
                f"pp{plan.prefill.pp}), decode {plan.decode.instances}x(tp{plan.decode.tp},"
                f"pp{plan.decode.pp}), {plan.goodput_rps:.2f} req/s predicted")
     kopf.info(body, reason="Planned", message=f"{message} (search {plan.search_seconds:.1f}s)")
+    served = st.rate_condition(plan)
+    if not served[1]:
+        kopf.warn(body, reason="RateNotServed", message=served[3])
     await write_status(api, owner, {**st.build_plan_status(plan), "message": message,
                                     "observedGeneration": generation},
-                       [(st.PLANNED, True, "Planned", message)])
+                       [(st.PLANNED, True, "Planned", message), served])
     if planned.spec.auto_apply or approval(body) == plan.plan_id:
         await apply_plan(api, body, owner, planned)
         return

@@ -17,7 +17,8 @@ from typing import Any
 from distserve.plan import Plan
 
 PLANNED, APPLIED, READY, DEGRADED = "Planned", "Applied", "Ready", "Degraded"
-CONDITION_TYPES = (PLANNED, APPLIED, READY, DEGRADED)
+RATE_SERVED = "RateServed"  # False: the cluster or GPU budget holds no plan for the rate
+CONDITION_TYPES = (PLANNED, APPLIED, READY, DEGRADED, RATE_SERVED)
 
 # Phases, in the order a healthy resource goes through them.
 PLANNING = "Planning"
@@ -57,6 +58,18 @@ def build_node_assignment(plan: Plan) -> dict[str, list[str]]:
     return node_to_segments
 
 
+def rate_condition(plan: Plan) -> tuple[str, bool, str, str]:
+    """The RateServed condition: whether the plan serves workload.rateRps, else by how
+    much the best plan that fits falls short and what limits it."""
+    if plan.shortfall_rps > 0:
+        return (RATE_SERVED, False, "ClusterTooSmall",
+                f"the best plan within {plan.limited_by} serves {plan.goodput_rps:.2f} of "
+                f"{plan.rate_rps} req/s: short by {plan.shortfall_rps:.2f} req/s")
+    if plan.rate_rps:
+        return RATE_SERVED, True, "RateServed", f"serves {plan.rate_rps} req/s within the SLOs"
+    return RATE_SERVED, True, "NoRate", "no workload.rateRps to size the plan for"
+
+
 def build_plan_status(plan: Plan) -> dict[str, Any]:
     """The plan's figures as status fields."""
     colocated = plan.baselines.get("colocated")
@@ -64,8 +77,8 @@ def build_plan_status(plan: Plan) -> dict[str, Any]:
     return {
         "planId": plan.plan_id,
         "algorithm": plan.algorithm,
-        "prefillInstances": plan.prefill.instances,
-        "decodeInstances": plan.decode.instances,
+        "prefillInstances": plan.num_instances("prefill"),
+        "decodeInstances": plan.num_instances("decode"),
         "prefill": {"tp": plan.prefill.tp, "pp": plan.prefill.pp,
                     "instances": plan.prefill.instances},
         "decode": {"tp": plan.decode.tp, "pp": plan.decode.pp,

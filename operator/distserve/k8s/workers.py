@@ -47,8 +47,9 @@ def instance_endpoints(revision: naming.Revision) -> list[dict[str, Any]]:
     key_to_nodes: dict[tuple[str, int], list[str]] = {}
     for segment in sorted(plan.segments, key=lambda s: s.stage):
         key_to_nodes.setdefault((segment.role, segment.instance), []).append(segment.node)
-    for role, phase in (("prefill", plan.prefill), ("decode", plan.decode)):
-        for instance in range(phase.instances):
+    for role in ("prefill", "decode"):
+        for instance in range(plan.num_instances(role)):
+            phase = plan.phase_of(role, instance)
             service = naming.instance_name(revision, role, instance)
             host = f"{naming.stage_hostname(0)}.{service}.{owner.namespace}.svc"
             endpoints.append(
@@ -75,7 +76,7 @@ def engine_instance_name(revision: naming.Revision, role: str, instance: int) ->
 def build_serve_settings(revision: naming.Revision) -> dict[str, Any]:
     """The engine's settings document (the local launcher's, with in-pod paths)."""
     plan = revision.plan
-    counts = {"prefill": plan.prefill.instances, "decode": plan.decode.instances}
+    counts = {"prefill": plan.num_instances("prefill"), "decode": plan.num_instances("decode")}
     return serve_settings(revision.spec, counts, revision.owner.name, weights.model_path(revision.spec),
                           plan=plan)
 
@@ -210,7 +211,7 @@ def build_env(deployment: str, device: str, revision_id: str | None = None) -> l
 
 def build_stage_env(revision: naming.Revision, segment: SegmentPlacement) -> list[dict[str, Any]]:
     """Which pipeline stage this pod is and where its instance's stage 0 listens."""
-    phase = revision.plan.prefill if segment.role == "prefill" else revision.plan.decode
+    phase = revision.plan.phase_of(segment.role, segment.instance)
     service = naming.instance_name(revision, segment.role, segment.instance)
     master = f"{naming.stage_hostname(0)}.{service}.{revision.owner.namespace}.svc"
     return [
@@ -279,8 +280,7 @@ def build_revision_objects(revision: naming.Revision, known_nodes: set[str]) -> 
     plan = revision.plan
     services = [
         build_instance_service_spec(revision, role, instance)
-        for role, phase in (("prefill", plan.prefill), ("decode", plan.decode))
-        for instance in range(phase.instances)
+        for role in ("prefill", "decode") for instance in range(plan.num_instances(role))
     ]
     worker_pods = [build_worker_pod_spec(revision, s, known_nodes) for s in plan.segments]
     return [build_engine_config_map_spec(revision), *services, *gang.build_pod_groups(revision),
