@@ -41,7 +41,7 @@ from distserve.search import SearchOverrides, build_context, plan_deployment
 from distserve.search.placement import pair_links
 from distserve.search.replicas import whole_unit
 from distserve.search.trials import instance_model, prefill_tokens
-from distserve.simulator import Trace, TransferModel, simulate_disaggregated
+from distserve.simulator import SLO, Trace, TransferModel, simulate_disaggregated
 from distserve.spec import parse_spec
 
 SPEC = {
@@ -119,7 +119,7 @@ def move(strategies, traffic: Traffic, now_s: float, settings, evaluator, max_le
     for s in strategies:
         index = traffic.between(max(0.0, now_s - settings.window_seconds), now_s)
         seen[s.name] = Seen(s.ttft_s[index], s.tpot_s[index])
-    slo = build_context(spec).slo
+    slo = SLO(spec.slo.ttft_seconds, spec.slo.tpot_seconds, spec.slo.attainment, spec.slo.rule)
     observation = observe(traffic, now_s, settings.window_seconds, max_len, None, slo)
     for s in strategies:
         if s.name == "static":

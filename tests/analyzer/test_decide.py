@@ -107,6 +107,19 @@ def test_a_window_holding_a_reshuffle_is_not_judged_on_its_attainment():
     assert "observed attainment 50.0% < 90%" in decision.reason
 
 
+def test_a_predicted_miss_the_observation_contradicts_does_not_move():
+    # the fake model has 16 GPUs serving 8 req/s, so it predicts a miss at 1.2 x 8 and
+    # at 8 req/s of long prompts alike; the deployment was seen to meet the target
+    evaluator = FakeEvaluator()
+    state = DecisionState(reference=make_observation(900, 8.0, seed=1))
+    seen_fine = make_observation(1200, 8.0, "summarization", seed=2, attainment=0.97)
+    decision = decide(seen_fine, make_plan(copies=2), make_settings(), state, evaluator)
+    assert decision.action == "keep" and "seen for 0 s" in decision.reason  # a shift only
+    seen_fine_at_rate = make_observation(1200, 8.0, seed=2, attainment=0.97)
+    decision = decide(seen_fine_at_rate, make_plan(copies=2), make_settings(), state, evaluator)
+    assert decision.action == "replan"  # the model reproduces 8 req/s: the headroom misses
+
+
 def test_advisory_mode_recommends_and_moves_nothing():
     evaluator = FakeEvaluator()
     windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 8.0, seed=2)]
