@@ -207,6 +207,7 @@ def build_openai_app(frontend: Frontend | None, metrics: Any, on_startup: Any = 
     app = FastAPI(title="DistServe", version="1", on_startup=[on_startup] if on_startup else None,
                   on_shutdown=[on_shutdown] if on_shutdown else None)
     edge.install(app, api_keys, max_body_bytes)
+    app.state.frontend = frontend
     app.openapi = lambda: openapi_document(app)
 
     @app.post("/v1/completions")
