@@ -139,7 +139,9 @@ async def test_namespaced_roles_grant_exactly_what_the_operator_uses(kmock):
     cluster_used = {grant for grant, namespace in calls if namespace is None}
     role_used = {grant for grant, namespace in calls if namespace is not None}
     assert {namespace for _, namespace in calls} <= {None, NAMESPACE}
-    assert cluster_used == {("", "nodes", "list")}  # no CRD or Namespace watch in this mode
+    # no CRD or Namespace watch in this mode; pods are listed cluster-wide for the GPUs
+    # other pods hold (a reshuffle plans against the free ones)
+    assert cluster_used == {("", "nodes", "list"), ("", "pods", "list")}
     assert cluster_granted == cluster_used
     assert role_used - role_granted == set(), "used but not granted"
     assert role_granted - role_used == set(UNEXERCISED), "granted but never used"
