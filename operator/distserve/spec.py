@@ -16,6 +16,7 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from distserve.analyzer.settings import ReplanningSpec
 from distserve.spec_base import SpecError, SpecModel
 from distserve.spec_pods import GangScheduling, ModelSource, PodOptions, is_quantity, merge_options
 
@@ -262,6 +263,11 @@ class DistServeDeploymentSpec(SpecModel):
         default=True,
         description="Apply a new plan at once; false: wait for the annotation "
         "distserve.io/approved-plan to name the plan's id.",
+    )
+    replanning: ReplanningSpec | None = Field(
+        default=None,
+        description="Replan from the traffic Prometheus observes (a replan waits for "
+        "approval too when autoApply is false). Unset: the plan changes with the spec only.",
     )
 
 
