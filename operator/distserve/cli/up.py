@@ -52,6 +52,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-measure", action="store_true",
                         help="do not measure this machine's profile on first use: plan with the "
                              "cached one, else the spec's planner.profilePath")
+    _add_replan_arguments(parser)
 
 
 def _log(message: str) -> None:
@@ -98,6 +99,10 @@ def run(args) -> int:
         if not (args.colocated or spec.placement):
             raise
         _log(f"planner: no prediction ({err}); running the spec's placement")
+    replanning = _replanning_settings(args, plan) if args.replan else None
+    if isinstance(replanning, str):
+        print(f"error: {replanning}", file=sys.stderr)
+        return EXIT_USAGE_ERROR
     instances = instance_counts(spec, plan, args.colocated)
     parallel = instance_parallel(spec, plan, args.colocated)
     settings = serve_settings(spec, instances, manifest.metadata.name, model_path, parallel,
@@ -109,6 +114,8 @@ def run(args) -> int:
         launcher.start(progress=_log)
         if args.demo:
             return _demo(args, spec, plan, launcher, source)
+        if replanning is not None:
+            return _serve_replanning(args, spec, plan, launcher, replanning)
         _log("serving; Ctrl-C stops")
         while True:
             time.sleep(3600)
@@ -162,4 +169,67 @@ def _demo(args, spec, plan, launcher, source) -> int:
     print(format_summary(summary, plan, spec.slo.attainment))
     if plan is not None:
         print(f"  predicted with profile {source.describe()}")
+    return 0
+
+
+def _add_replan_arguments(parser) -> None:
+    """Options of `distserve up --replan` (the workload analyzer's loop, run locally)."""
+    from distserve.local.settings import LOCAL_REPLANNING as d
+
+    parser.add_argument("--replan", action="store_true",
+                        help="every --replan-interval, observe the traffic in Prometheus, decide "
+                             "keep or replan, print the decision, and on replan reshuffle the processes")
+    parser.add_argument("--prometheus-url", default=None, metavar="URL",
+                        help="the Prometheus to read (it must scrape this deployment); default: "
+                             "start one (/usr/bin/prometheus) scraping the router and instances")
+    for flag, key, what in (("interval", "intervalSeconds", "seconds between decisions"),
+                            ("window", "windowSeconds", "seconds of traffic one decision observes"),
+                            ("hold", "holdSeconds", "seconds a shift must persist before a replan"),
+                            ("cooldown", "cooldownSeconds", "seconds without a replan after a reshuffle")):
+        parser.add_argument(f"--replan-{flag}", type=float, default=d[key], help=f"{what} (default {d[key]})")
+    parser.add_argument("--replan-min-requests", type=int, default=d["minRequests"],
+                        help=f"fewer requests in a window: no decision (default {d['minRequests']})")
+    parser.add_argument("--replan-advisory", action="store_true",
+                        help="only print what a replan would do; move nothing")
+
+
+def _replanning_settings(args, plan):
+    """The ReplanningSpec of `--replan`, or why it cannot run (a string)."""
+    from pydantic import ValidationError
+
+    from distserve.local.replanning import local_replanning
+
+    if plan is None or args.colocated:
+        return "--replan needs a plan from the planner (not --colocated, not a fixed placement alone)"
+    if args.ray_address or args.backend == "ray":
+        return "--replan reshuffles child processes: use --backend process"
+    try:
+        return local_replanning(
+            intervalSeconds=args.replan_interval, windowSeconds=args.replan_window,
+            holdSeconds=args.replan_hold, cooldownSeconds=args.replan_cooldown,
+            minRequests=args.replan_min_requests, advisory=args.replan_advisory)
+    except ValidationError as err:
+        return f"--replan settings: {err.errors()[0]['msg']}"
+
+
+def _serve_replanning(args, spec, plan, launcher, replanning) -> int:
+    """Serve; every interval observe, decide, print and (on replan) reshuffle, until Ctrl-C."""
+    import contextlib
+
+    from distserve.local.prometheus import LocalPrometheus
+    from distserve.local.replanning import ReplanLoop, scrape_targets
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    with contextlib.ExitStack() as stack:
+        url, on_targets = args.prometheus_url, None
+        if url is None:
+            prometheus = stack.enter_context(
+                LocalPrometheus(launcher.workdir / "prometheus", scrape_targets(launcher)))
+            url, on_targets = prometheus.url, prometheus.set_targets
+        _log(f"replanning: Prometheus at {url}; a decision every {replanning.interval_seconds:.0f} s "
+             f"over {replanning.window_seconds:.0f} s, hold {replanning.hold_seconds:.0f} s, "
+             f"cooldown {replanning.cooldown_seconds:.0f} s; Ctrl-C stops")
+        ReplanLoop(launcher, spec, plan, replanning, url, on_targets, progress=say).run()
     return 0

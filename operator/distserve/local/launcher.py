@@ -13,6 +13,13 @@ is removed with them.
 Once started, a supervisor thread watches the processes: one that dies is started again
 (after 1 s, then twice as long after each death in a row, at most 30 s) on the same port,
 and the router, which polls its instances' health, sends it work again once it serves.
+
+The router reads its peers from its settings file (`serve.json`), not from its command
+line, so the peers can change while it runs (`server/peers.py` re-reads the file):
+`local/reshuffle.py` starts new instances (`add_instance`), rewrites the router's file
+(`write_router_settings`) and stops the drained ones (`stop_process`). Instances read
+their own copy (`serve-r0.json`, then one per reshuffle), so a restarted instance keeps
+the tp and pp it was started with.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -59,33 +67,53 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
 
+def num_ranks(settings: dict[str, Any], role: str) -> int:
+    """tp x pp of one instance of `role` (one core per rank)."""
+    parallel = settings.get("parallel", {}).get(role, {})
+    return parallel.get("tp", 1) * parallel.get("pp", 1)
+
+
+def cores_from(first_core: int, count: int, num_cores: int) -> list[int] | None:
+    """`count` cores from `first_core` on, round the machine; None when not pinning."""
+    return sorted({(first_core + r) % num_cores for r in range(count)}) if num_cores else None
+
+
+def instance_argv(proc: ServerProcess, config_path: Path) -> list[str]:
+    """The command line of one instance process."""
+    argv = ["--config", str(config_path), "--role", proc.role, "--instance", proc.name,
+            "--host", "127.0.0.1", "--port", str(proc.port)]
+    if proc.cores is not None:
+        argv += ["--cpu-cores", ",".join(map(str, proc.cores))]
+    return argv
+
+
+def peers_of(procs: list[ServerProcess], draining: tuple[ServerProcess, ...] = ()) -> dict[str, list]:
+    """The router's `peers`: every instance process by role, `draining` ones marked."""
+    peers: dict[str, list] = {}
+    for proc in procs:
+        if proc.role != "router":
+            entry = {"name": proc.name, "url": proc.url, "draining": proc in draining}
+            peers.setdefault(proc.role, []).append(entry)
+    return peers
+
+
 def plan_processes(settings: dict[str, Any], config_path: Path, host: str, port: int,
-                   num_cores: int) -> list[ServerProcess]:
-    """The instance processes (ports port+1, ...) then the router on `port`."""
+                   num_cores: int, instance_config_path: Path | None = None) -> list[ServerProcess]:
+    """The instance processes (ports port+1, ...) then the router on `port`; the router
+    reads `config_path`, the instances `instance_config_path` (default the same file)."""
     procs: list[ServerProcess] = []
     next_core = 0
     for role in ("prefill", "decode", "colocated"):
-        parallel = settings.get("parallel", {}).get(role, {})
-        num_ranks = parallel.get("tp", 1) * parallel.get("pp", 1)  # one core per rank
+        ranks = num_ranks(settings, role)
         for i in range(settings["instances"].get(role, 0)):
-            index = len(procs)
-            cores = None
-            if num_cores:
-                cores = sorted({(next_core + r) % num_cores for r in range(num_ranks)})
-                next_core += num_ranks
-            procs.append(ServerProcess(role, f"{role}-{i}", port + 1 + index, cores))
+            cores = cores_from(next_core, ranks, num_cores)
+            next_core += ranks if num_cores else 0
+            procs.append(ServerProcess(role, f"{role}-{i}", port + 1 + len(procs), cores))
     for proc in procs:
-        proc.argv = ["--config", str(config_path), "--role", proc.role, "--instance", proc.name,
-                     "--host", "127.0.0.1", "--port", str(proc.port)]
-        if proc.cores is not None:
-            proc.argv += ["--cpu-cores", ",".join(map(str, proc.cores))]
+        proc.argv = instance_argv(proc, instance_config_path or config_path)
     router = ServerProcess("router", "router-0", port, None)
     router.argv = ["--config", str(config_path), "--role", "router", "--instance", "router-0",
                    "--host", host, "--port", str(port)]
-    for role in ("prefill", "decode", "colocated"):
-        urls = [f"{p.name}={p.url}" for p in procs if p.role == role]
-        if urls:
-            router.argv += [f"--{role}-peers", ",".join(urls)]
     return [*procs, router]
 
 
@@ -100,12 +128,15 @@ class LocalLauncher:
         self.backend = backend
         self.ray_address = ray_address
         self.workdir = Path(tempfile.mkdtemp(prefix="distserve-up-"))
-        self.config_path = self.workdir / "serve.json"
-        num_cores = len(os.sched_getaffinity(0)) if pin_cores else 0
-        self.procs = plan_processes(settings, self.config_path, host, port, num_cores)
+        self.config_path = self.workdir / "serve.json"  # the router's (with its peers)
+        self.num_cores = len(os.sched_getaffinity(0)) if pin_cores else 0
+        self.procs = plan_processes(settings, self.config_path, host, port, self.num_cores,
+                                    self.workdir / "serve-r0.json")
+        self.next_core = sum(len(p.cores or ()) for p in self.procs)
         self._ray = None
         self.restarts: dict[str, int] = {}  # process name -> times the supervisor restarted it
         self._stopping = threading.Event()
+        self._lock = threading.Lock()  # a restart and a reshuffle's stop do not interleave
         self._supervisor: threading.Thread | None = None
 
     @property
@@ -126,7 +157,8 @@ class LocalLauncher:
 
     def start(self, progress: Any = print) -> None:
         """Start the instances, wait until they serve, then the router."""
-        self.config_path.write_text(json.dumps(self.settings, indent=2))
+        (self.workdir / "serve-r0.json").write_text(json.dumps(self.settings, indent=2))
+        self.write_router_settings(self.settings)
         if self.backend == "ray":
             from distserve.local.ray_actors import RayServers
 
@@ -149,19 +181,64 @@ class LocalLauncher:
         name_to_delay_s: dict[str, float] = {}
         name_to_started_s = {proc.name: time.monotonic() for proc in self.procs}
         while not self._stopping.wait(SUPERVISE_INTERVAL_S):
-            for proc in self.procs:
+            for proc in self.procs:  # NOTE: a reshuffle swaps the list, never mutates it
                 if self._stopping.is_set() or proc.handle is None or self._is_alive(proc):
                     continue
-                if time.monotonic() - name_to_started_s[proc.name] > STABLE_AFTER_S:
+                if time.monotonic() - name_to_started_s.get(proc.name, 0.0) > STABLE_AFTER_S:
                     name_to_delay_s.pop(proc.name, None)
                 delay_s = name_to_delay_s.get(proc.name, RESTART_BACKOFF_S[0])
                 name_to_delay_s[proc.name] = min(2 * delay_s, RESTART_BACKOFF_S[1])
                 progress(f"{proc.name} exited ({self._exit_code(proc)}); restarting in {delay_s:.0f} s")
                 if self._stopping.wait(delay_s):
                     return
-                self._spawn(proc, is_restart=True)
+                with self._lock:
+                    if proc not in self.procs or proc.handle is None:  # stopped by a reshuffle
+                        continue
+                    self._spawn(proc, is_restart=True)
                 name_to_started_s[proc.name] = time.monotonic()
                 self.restarts[proc.name] = self.restarts.get(proc.name, 0) + 1
+
+    def write_router_settings(self, settings: dict[str, Any],
+                              draining: tuple[ServerProcess, ...] = ()) -> None:
+        """Write the router's file: `settings` with the running instances as its peers
+        (those in `draining` marked so); replaced atomically, so the router never reads half."""
+        doc = {**settings, "peers": peers_of(self.procs, draining)}
+        partial = self.config_path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(doc, indent=2))
+        os.replace(partial, self.config_path)
+
+    def add_instance(self, role: str, config_path: Path) -> ServerProcess:
+        """Start one more instance of `role` reading `config_path`, on a free port and
+        the next cores; it is in `procs` (before the router) once this returns."""
+        ranks = num_ranks(json.loads(config_path.read_text()), role)
+        index = 1 + max((int(p.name.rpartition("-")[2]) for p in self.procs if p.role == role),
+                        default=-1)
+        port = max(p.port for p in self.procs) + 1
+        while not _is_port_free(port):
+            port += 1
+        proc = ServerProcess(role, f"{role}-{index}", port,
+                             cores_from(self.next_core, ranks, self.num_cores))
+        self.next_core += ranks if self.num_cores else 0
+        proc.argv = instance_argv(proc, config_path)
+        with self._lock:
+            self._spawn(proc)
+            self.procs = [*self.procs[:-1], proc, self.procs[-1]]
+        return proc
+
+    def wait_ready(self, proc: ServerProcess) -> None:
+        """Until `proc` answers /health; LaunchError when it exits or takes too long."""
+        self._wait_ready(proc, "/health")
+
+    def stop_process(self, proc: ServerProcess) -> None:
+        """Stop one instance process for good (the supervisor does not restart it)."""
+        with self._lock:  # out of `procs` first: the supervisor then leaves it dead
+            self.procs = [p for p in self.procs if p is not proc]
+        if proc.handle is not None:
+            if self._ray is not None:
+                self._ray.kill(proc)
+            else:
+                _terminate(proc.handle)
+            proc.handle = None
 
     def _exit_code(self, proc: ServerProcess) -> str:
         if self._ray is not None:
@@ -223,6 +300,15 @@ class LocalLauncher:
             # NOTE: the logs go with it; a process that fails to start has its log's tail
             # in the LaunchError message, printed before this runs.
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _is_port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def _terminate(popen: subprocess.Popen) -> None:

