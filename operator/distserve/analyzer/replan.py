@@ -34,6 +34,10 @@ FIT_STEPS = 6  # bisection steps on log(factor): the bracket narrows to ~2%
 RATE_STEP_DOWN = 1.15  # a rate the cluster cannot hold is retried this much lower
 MAX_STEPS_DOWN = 4
 MAX_GROWTHS = 3  # copies added while the scaled plan is predicted to miss
+# NOTE: the search's trials span a minute of arrivals, enough to rank candidates; a
+# decision holds a plan against minutes of traffic, where a small shortfall of capacity
+# has time to grow a queue, so its predictions span as long as an interval does.
+PREDICTION_DURATION_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,9 @@ class SearchEvaluator:
             if len(self._contexts) > 8:
                 self._contexts.clear()
             overrides = SearchOverrides(self.workload(observation), correction=correction)
-            self._contexts[key] = build_context(self.spec, overrides)
+            self._contexts[key] = replace(
+                build_context(self.spec, overrides), min_duration_s=PREDICTION_DURATION_S
+            )
         return self._contexts[key]
 
     def unit_of(self, ctx: SearchContext, plan: Plan) -> Unit:
