@@ -12,9 +12,9 @@ checks what needs the prompt length (`max_tokens` against the context).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
 from distserve_engine.sampling import SamplingParams
 
@@ -26,6 +26,17 @@ class BadRequest(ValueError):
         super().__init__(message)
         self.param = param
         self.status = status
+
+
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+def _only(*no_op_schemas: dict[str, Any]) -> Any:
+    """A field this server does not implement: any value validates (so `check_supported`
+    can refuse it by name); the document lists only its no-op values."""
+    return Annotated[Any, WithJsonSchema({"anyOf": [*no_op_schemas, {"type": "null"}]})]
 
 
 class StreamOptions(BaseModel):
@@ -46,33 +57,33 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=-1, ge=-1)  # vLLM extension
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM extension
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None = None
+    stop_token_ids: list[TokenId] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension (benchmarks)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)  # one choice per request
-    logprobs: Any = None  # unsupported: see UNSUPPORTED
-    top_logprobs: Any = None
-    best_of: Any = None
-    logit_bias: Any = None
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
+    # Not implemented (see UNSUPPORTED): accepted at their no-op values only.
+    logprobs: _only({"const": False}, {"const": 0}) = None
+    top_logprobs: _only({"const": 0}) = None
+    best_of: _only({"const": 1}) = None
+    logit_bias: _only({"type": "object", "maxProperties": 0}) = None
+    response_format: _only({"type": "object", "required": ["type"],
+                            "properties": {"type": {"const": "text"}}}) = None
+    tools: _only({"type": "array", "maxItems": 0}) = None
+    tool_choice: _only({"const": "none"}) = None
+    functions: _only({"type": "array", "maxItems": 0}) = None
+    function_call: _only({"const": "none"}) = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
 
     def check_supported(self) -> None:
         """BadRequest naming the first field set to something this server does not do."""
-        for name, no_ops in UNSUPPORTED.items():
-            value = getattr(self, name)
-            if value is not None and not any(value == v for v in no_ops):
-                raise BadRequest(f"{name}: not supported by this server (use the default)", name)
-        if isinstance(self.stop, list) and len(self.stop) > 4:
-            raise BadRequest("stop: at most 4 sequences", "stop")
+        for name, is_no_op in UNSUPPORTED.items():
+            value = getattr(self, name, None)
+            if value is not None and not is_no_op(value):
+                raise BadRequest(f"{name}: not supported by this server (leave it unset)", name)
 
     @property
     def include_usage(self) -> bool:
@@ -84,33 +95,34 @@ class _SamplingFields(BaseModel):
         return self.max_tokens
 
 
-# Fields accepted only at these no-op values; anything else is a 400 naming the field.
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "logit_bias": ({},),
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",),
+def _is(*values: Any) -> Any:
+    """A no-op test: equal to one of `values` and of the same type (True is not 1)."""
+    return lambda v: any(type(v) is type(x) and v == x for x in values)
+
+
+# Fields accepted only at their no-op values; anything else is a 400 naming the field.
+UNSUPPORTED: dict[str, Any] = {
+    "logprobs": _is(False, 0), "top_logprobs": _is(0), "best_of": _is(1),
+    "logit_bias": _is({}), "tools": _is([]), "functions": _is([]),
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+    "tool_choice": _is("none"), "function_call": _is("none"),
+    "echo": _is(False), "suffix": _is(""),
 }
 
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    suffix: str | None = None
+    # One prompt: text, token ids, or a batch of exactly one of either.
+    prompt: (NonEmptyText | TokenIds | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)]
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=1)])
+    echo: _only({"const": False}) = None
+    suffix: _only({"const": ""}) = None
 
     def prompt_of(self) -> str | list[int]:
         """The single prompt, as text or token ids."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise BadRequest("prompt: one prompt per request (batches are not supported)", "prompt")
-            p = p[0]
-        if not p:
-            raise BadRequest("prompt: must not be empty", "prompt")
-        if self.echo or self.suffix:
-            raise BadRequest("echo and suffix are not supported", "echo" if self.echo else "suffix")
-        return p
+        return p[0] if isinstance(p, list) and isinstance(p[0], (str, list)) else p
 
 
 class ContentPart(BaseModel):
@@ -163,8 +175,6 @@ def to_sampling_params(req: _SamplingFields, num_prompt_tokens: int, max_model_l
         raise BadRequest(f"{field}: {max_tokens} output tokens plus the {num_prompt_tokens}-token "
                          f"prompt exceed the model's context of {max_model_len} tokens", field)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if any(not s for s in stop):
-        raise BadRequest("stop: must not contain empty strings", "stop")
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, seed=req.seed, stop=stop,
                           stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
