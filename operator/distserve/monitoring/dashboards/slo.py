@@ -51,13 +51,13 @@ def build():
     layout = p.Layout(p.new_dashboard(UID, "DistServe / SLO overview", __doc__.split("\n")[0]))
     layout.row(
         "Now",
-        p.single("Attainment (observed)", "Over the last 5 minutes.", "percentunit",
+        p.single("Attainment, 5m", "Observed over the last 5 minutes.", "percentunit",
                  p.target(q.attainment(D, "5m", BY), "{{deployment}}")),
-        p.single("Attainment (predicted)", "The plan's prediction.", "percentunit",
+        p.single("Attainment, predicted", "The plan's prediction.", "percentunit",
                  p.target(f"max by ({BY}) ({q.series(q.PLAN_ATTAINMENT, D)})", "{{deployment}}")),
-        p.single("Goodput per GPU", "Over the last 5 minutes.", "reqps",
+        p.single("Goodput per GPU, 5m", "Observed over the last 5 minutes.", "reqps",
                  p.target(f"{q.goodput_rps(D, '5m', BY)} / {q.plan_gpus(D, BY)}", "{{deployment}}")),
-        p.single("GPUs", "In the plan served under.", "none",
+        p.single("GPUs in the plan", "Of both phases, in the plan served under.", "none",
                  p.target(q.plan_gpus(D, BY), "{{deployment}}")),
         height=4)
     layout.row("SLO attainment and goodput", attainment_panel(), goodput_panel())
