@@ -2,7 +2,8 @@
 
 Plans the spec (or takes its fixed placement), starts one process per instance (each
 pinned to its own CPU core, or given its GPUs) and the router in front of them, and
-serves until Ctrl-C, which stops everything it started. `--demo` instead drives about
+serves until Ctrl-C (SIGINT, also when a shell started it in the background, where SIGINT
+comes ignored) or SIGTERM, which stop everything it started. `--demo` instead drives about
 a minute of the spec's workload (at `--rate`, else `workload.rateRps`, else the planner's
 goodput) with a progress bar,
 prints TTFT/TPOT percentiles, SLO attainment and goodput beside the planner's
@@ -20,6 +21,7 @@ the demo's report. The work folder (settings, process logs) is removed on stop.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -49,6 +51,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="plan with this latency profile (`distserve profile -o FILE`) instead of "
                              "this machine's cached one or the spec's planner.profilePath")
+    parser.add_argument("--api-key", default=None, metavar="KEYS",
+                        help="require one of these comma-separated keys on /v1 (`Authorization: "
+                             "Bearer KEY`); default $DISTSERVE_API_KEY, unset: open")
     parser.add_argument("--no-measure", action="store_true",
                         help="do not measure this machine's profile on first use: plan with the "
                              "cached one, else the spec's planner.profilePath")
@@ -75,7 +80,13 @@ def run(args) -> int:
     model_path = find_model_path(spec)
     # SIGTERM (kill, a supervisor) stops everything as Ctrl-C does, from here on (measuring
     # included); Ray installs its own handler on `ray.init`, which exits the same way.
+    # NOTE: a shell starts a background job (`distserve up ... &`) with SIGINT ignored,
+    # and Python then keeps it ignored; the handler is installed explicitly so that
+    # `kill -INT` stops it there too.
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if args.api_key:  # the router reads it from its environment, never from a command line
+        os.environ["DISTSERVE_API_KEY"] = args.api_key
     try:
         source = _choose_profile(args, spec, model_path)
     except ValueError as err:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -99,7 +100,10 @@ async def drive(url: str, model: str, requests: list[Request], seed: int = 0,
     show = progress_bar(len(requests), started_s) if show_progress else (lambda _: None)
     done = 0
     timeout = httpx.Timeout(600.0, connect=10.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+    key = os.environ.get("DISTSERVE_API_KEY", "").split(",")[0].strip()  # the router's, if set
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None),
+                                 headers=headers) as client:
         async def timed(req: Request, prompt: list[int]) -> Outcome:
             nonlocal done
             await asyncio.sleep(max(0.0, started_s + req.arrival_s - time.monotonic()))
