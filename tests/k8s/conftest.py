@@ -4,3 +4,4 @@ import os
 
 os.environ.setdefault("DISTSERVE_MONITOR_INTERVAL_S", "0.5")
 os.environ.setdefault("DISTSERVE_DRAIN_SECONDS", "0")
+os.environ.setdefault("DISTSERVE_REPLAN_TICK_S", "0.5")

@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 
 from distserve import spec as specs
-from distserve.k8s import client, monitoring, naming, reconciling
+from distserve.k8s import client, monitoring, naming, reconciling, replanning
 from distserve.k8s.client import ApiClient
 
 RESOURCE = (specs.API_GROUP, specs.API_VERSION, specs.PLURAL)
@@ -85,6 +85,13 @@ async def deployment_monitor(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None
     """Readiness, failing pods, and the rollout's drain-then-delete steps."""
     async with _lock(memo):
         await monitoring.monitor(memo["api"], body, TIMING)
+
+
+@kopf.timer(*RESOURCE, interval=TIMING.replan_tick_s, initial_delay=TIMING.replan_tick_s)
+async def deployment_replan(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """With spec.replanning enabled: observe, decide, reshuffle. The observation and the
+    search run without the resource's lock (they take seconds); the writes take it."""
+    await replanning.replan_round(memo["api"], body, memo, _lock(memo))
 
 
 @kopf.on.delete(*RESOURCE)

@@ -53,6 +53,10 @@ class Timing:
     # (kubelet refreshes ConfigMap volumes about once a minute).
     drain_min_seconds: float = field(
         default_factory=lambda: _env_seconds("DISTSERVE_DRAIN_MIN_SECONDS", 90.0))
+    # How often the replanning timer wakes to see whether spec.replanning.intervalSeconds
+    # has passed (the interval itself is the spec's, per resource).
+    replan_tick_s: float = field(
+        default_factory=lambda: _env_seconds("DISTSERVE_REPLAN_TICK_S", 15.0))
 
 
 async def write_status(
