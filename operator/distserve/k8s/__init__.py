@@ -4,8 +4,9 @@ Modules: `naming` (names, labels, owner references), `nodes` (cluster shape from
 Node objects), `workers` and `router` (the builders) over `pods` (security, probes,
 resources, role options), `weights` (the model source) and `gang` (PodGroups),
 `status` and `health` (what the
-status says), `client` (the API), `planning`, `applying`, `reconciling` and
-`monitoring` (the steps), `handlers` (kopf).
+status says), `client` (the API), `planning`, `applying`, `reconciling`, `reshuffling`,
+`rollout`, `fleet` and `monitoring` (the steps), `replanning` (the analyzer's timer),
+`handlers` (kopf).
 
 ## The contract with the engine image (`python -m distserve_engine.server`)
 
@@ -28,16 +29,23 @@ status says), `client` (the API), `planning`, `applying`, `reconciling` and
 - `plan.json` (workers' ConfigMap) and `router.json` (router's) are for people and
   tools: the plan document and every instance `{"name", "role", "instance",
   "revision", "url", "stages", "draining"}`.
+- Reshuffle (`reshuffling` plans, `rollout` runs, `fleet` keeps the live set in
+  `status.instances` and `status.revisionPlans`): a new plan keeps every instance it
+  shares with the running ones (same role, tp, pp, engine, node and GPUs), under their
+  old names; the others are replaced one step per monitor round, progress in
+  `status.reshuffle`: create where the node's free GPUs (allocatable minus what other
+  pods hold) allow, else drain one old instance, delete it, create its replacement.
+  A plan the free GPUs cannot hold is refused (`NoRoom`) and the old one serves.
 - Draining: the engine's router re-reads its `serve.json` while it runs (kubelet
   updates the ConfigMap volume in place), so a change of peers does not roll the router
   pods; an instance no longer listed gets no new request and its in-flight ones finish.
-  Draining worker pods are also labelled `distserve.io/draining=true` (annotation
-  `distserve.io/draining-since`). The operator deletes them once every old instance's
+  A draining instance's pods are also labelled `distserve.io/draining=true` (annotation
+  `distserve.io/draining-since`). The operator deletes them once the instance's
   `GET /load` shows nothing queued, running or held (not before
   `DISTSERVE_DRAIN_MIN_SECONDS`, default 90, for kubelet to deliver the new file), or
   at the drain deadline (`DISTSERVE_DRAIN_SECONDS`, default 300, after the drain
-  starts; `status.drainingSince` and `status.drainDeadline` keep it over a restart).
-  An old revision with no pod left has its objects and router entries removed at once.
+  starts; `status.reshuffle.drainingSince` and `drainDeadline` keep it over a restart).
+  Objects of a revision no live instance comes from are removed at once.
 - Pipeline stages: the pods of one instance share the headless Service
   `<name>-<revision>-{p,d}{i}`; stage S is `sS.<service>.<ns>.svc`. Each pod gets
   `DISTSERVE_STAGE`, `DISTSERVE_PIPELINE_STAGES`, `DISTSERVE_TENSOR_PARALLEL`,
