@@ -151,13 +151,14 @@ def test_up_replan_decides_on_observed_shift_from_short_to_long_prompts(tiny_mod
             load.prompt_tokens = LONG_PROMPT_TOKENS
             time.sleep(PHASE_S)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 0
+        exit_code = proc.wait(timeout=120)
         reader.join(timeout=10)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     decisions = [line.strip() for line in lines if line.startswith("decision:")]
     print("\n" + "\n".join(decisions) + f"\nrequests {load.counts()}")
+    assert exit_code == 0, "".join(lines[-40:])
     assert load.failures == [] and load.completed == load.sent > 0
     taken = [d for d in decisions if not d.startswith("decision: no-decision")]
     assert taken, decisions  # a window held enough requests and both length histograms

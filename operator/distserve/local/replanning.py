@@ -73,13 +73,20 @@ class ReplanLoop:
 
     def step(self) -> Decision | None:
         """One interval: observe the window ending now, decide, print, act. None when
-        Prometheus could not answer (printed as no decision)."""
+        Prometheus could not answer or the evaluator failed (printed as no decision)."""
         try:
             observation = asyncio.run(observe(self.client, self.labels, self.settings.window_seconds))
         except PrometheusError as err:
             self.progress(f"decision: no-decision -: Prometheus: {err}")
             return None
-        decision = decide(observation, self.plan, self.settings, self.state, self.evaluator)
+        try:
+            decision = decide(observation, self.plan, self.settings, self.state, self.evaluator)
+        except (ValueError, ArithmeticError) as err:
+            # NOTE: the search or simulator failing on one window's figures must not stop
+            # serving: the window gets no decision, the state is kept for the next one.
+            self.progress(f"decision: no-decision -: the evaluator failed on this window: "
+                          f"{type(err).__name__}: {err}")
+            return None
         self.state = decision.state
         self.decisions.append(decision)
         self.progress(decision_line(decision))
