@@ -67,11 +67,13 @@ def test_scaling_keeps_the_shape_and_adds_copies_for_the_rate():
     plan = placed_plan(evaluator)
     window = make_observation(900, 3.0, "chatbot")
     one = evaluator.scale(plan, window, 1.0, Correction())
-    more = evaluator.scale(plan, window, 16.0, Correction())
+    more = evaluator.scale(plan, window, 8.0, Correction())
     assert change_kind(one, more) == "replicas"
     assert more.prefill.instances > one.prefill.instances
-    assert evaluator.predict(more, window, 16.0, Correction()).attainment >= 0.9
+    assert evaluator.predict(more, window, 8.0, Correction()).attainment >= 0.9
     assert started_gpus(one, more) == more.num_gpus - one.num_gpus
+    beyond = evaluator.scale(plan, window, 40.0, Correction())
+    assert beyond.num_gpus == 32  # as many copies as the cluster holds
 
 
 def test_the_search_on_summarization_traffic_picks_another_shape_than_on_code():

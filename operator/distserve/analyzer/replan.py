@@ -33,7 +33,8 @@ FIT_LOW, FIT_HIGH = 0.5, 2.0  # the bracket a per-phase factor is bisected in
 FIT_STEPS = 6  # bisection steps on log(factor): the bracket narrows to ~2%
 RATE_STEP_DOWN = 1.15  # a rate the cluster cannot hold is retried this much lower
 MAX_STEPS_DOWN = 4
-MAX_GROWTHS = 3  # copies added while the scaled plan is predicted to miss
+MAX_GROWTHS = 4  # times copies grow (by GROWTH_FACTOR) while the scaled plan misses
+GROWTH_FACTOR = 1.25
 # NOTE: the search's trials span a minute of arrivals, enough to rank candidates; a
 # decision holds a plan against minutes of traffic, where a small shortfall of capacity
 # has time to grow a queue, so its predictions span as long as an interval does.
@@ -208,7 +209,7 @@ class SearchEvaluator:
                 self.attainment_target
             ):
                 return best
-            copies += 1
+            copies = max(copies + 1, math.ceil(copies * GROWTH_FACTOR))
         return best
 
     def _placed(self, plan: Plan, unit: Unit, copies: int) -> Plan | None:
