@@ -146,3 +146,22 @@ def test_fixed_placement_at_an_unprofiled_degree_is_refused_under_auto():
     })
     with pytest.raises(NoFeasiblePlan, match="latencyModel: analytic"):
         plan_deployment(spec)
+
+
+def test_goodput_search_stops_at_its_cap_for_a_deployment_that_never_misses():
+    from distserve.search.goodput import MAX_RATE_RPS
+
+    class AlwaysMet:
+        def attainment(self, slo):
+            return 1.0
+
+    rates = []
+
+    def trial(rate, slo):
+        rates.append(rate)
+        return AlwaysMet()
+
+    for estimate in (5.0, float("inf")):
+        rates.clear()
+        found = find_goodput(trial, SLO(1.0, 0.1, 0.9, "both"), estimate)
+        assert found.rate_rps == MAX_RATE_RPS and all(r <= MAX_RATE_RPS for r in rates)

@@ -10,6 +10,7 @@ out of reach (a failing rate costs little).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +19,9 @@ from distserve.simulator import SLO, SimResult
 REL_TOL = 0.03  # bisection stops when the bracket is this narrow relative to the rate
 STEP_FACTOR = 1.15  # the first bracketing step; estimates are usually within 15%
 MAX_SHRINK = 2.0**10  # below estimate / 2**10 the SLOs are unattainable at any rate
+# Above this a deployment is taken to serve any rate: the upward steps (squared each time)
+# stop here instead of overflowing, for a model so small its timing is about zero.
+MAX_RATE_RPS = 1e6
 
 
 @dataclass(frozen=True)
@@ -53,13 +57,15 @@ def find_goodput(
         attained = run_trial(rate, slo).attainment(slo)
         return attained >= slo.attainment, attained
 
-    rate = max(estimate_rps, 1e-6)
+    rate = min(max(estimate_rps, 1e-6), MAX_RATE_RPS) if math.isfinite(estimate_rps) else MAX_RATE_RPS
     ok, attained = passes(rate)
     factor = STEP_FACTOR
     if ok:
         lo, lo_att, hi = rate, attained, None
         while hi is None:
-            rate *= factor
+            if rate >= MAX_RATE_RPS:
+                return Goodput(rate, attained, trials)  # no miss seen below the cap
+            rate = min(rate * factor, MAX_RATE_RPS)
             factor *= factor
             ok, attained = passes(rate)
             if ok:
