@@ -49,7 +49,8 @@ def test_pod_monitor_selects_the_engine_and_router_pods(values, namespace_select
     values = {**values, "metrics": {"podMonitor": {
         "enabled": True, "labels": {"release": "kube-prometheus-stack"},
         **values.get("metrics", {}).get("podMonitor", {})}}}
-    monitor = next(d for d in render(values) if d["kind"] == "PodMonitor")
+    monitors = {d["metadata"]["name"]: d for d in render(values) if d["kind"] == "PodMonitor"}
+    monitor = monitors["distserve-operator-engines"]
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["namespace"] == namespace
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
@@ -66,6 +67,14 @@ def test_pod_monitor_selects_the_engine_and_router_pods(values, namespace_select
     operator_pod = next(d for d in render(values) if d["kind"] == "Deployment")
     operator_labels = operator_pod["spec"]["template"]["metadata"]["labels"]
     assert not all(operator_labels.get(k) == v for k, v in selector.items())
+    # The operator's own series, by a second PodMonitor on its `metrics` port.
+    own = monitors["distserve-operator"]["spec"]
+    assert all(operator_labels.get(k) == v for k, v in own["selector"]["matchLabels"].items())
+    [own_endpoint] = own["podMetricsEndpoints"]
+    operator_ports = {p["name"] for c in operator_pod["spec"]["template"]["spec"]["containers"]
+                      for p in c.get("ports", [])}
+    assert own_endpoint["port"] in operator_ports and own_endpoint["honorLabels"] is True
+    assert own["namespaceSelector"] == {"matchNames": ["distserve-system"]}
 
 
 def test_pod_monitor_values_are_checked():

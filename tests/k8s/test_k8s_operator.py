@@ -68,6 +68,8 @@ async def test_apply_change_slo_and_delete(kmock):
             assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-opt"
         assert [s["metadata"]["name"] for s in await owned(api, "Service", "opt", **{
             naming.ROLE_LABEL: "router"})] == ["opt"]
+        router = await api.get("ConfigMap", NAMESPACE, "opt-router")  # its metrics name the plan
+        assert json.loads(router["data"]["serve.json"])["plan"]["id"] == first_plan
 
         await play_kubelet(api, "opt")
         status = await wait_for(lambda: _phase(api, "opt", "Ready"), what="Ready")
@@ -86,8 +88,10 @@ async def test_apply_change_slo_and_delete(kmock):
         router = await api.get("ConfigMap", NAMESPACE, "opt-router")
         routed = json.loads(router["data"]["router.json"])["instances"]
         assert {e["revision"] for e in routed} == {status["revision"]}
-        peers = json.loads(router["data"]["serve.json"])["peers"]
-        assert all(status["revision"] in peer["name"] for peer in peers["prefill"] + peers["decode"])
+        settings = json.loads(router["data"]["serve.json"])
+        assert all(status["revision"] in peer["name"]
+                   for peer in settings["peers"]["prefill"] + settings["peers"]["decode"])
+        assert settings["plan"]["id"] == status["planId"]
 
         await api.delete("DistServeDeployment", NAMESPACE, "opt")
         await wait_for(lambda: _all_gone(api, "opt"), timeout_s=120, what="objects deleted")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from kmock_cluster import (
+    NAMESPACE,
     OPERATOR_ARGS,
     VersionedEmulator,
     condition,
@@ -53,6 +54,9 @@ async def test_prometheus_down_is_a_condition_and_no_decision(kmock):
         await api.create(make_resource("opt", replanning_spec("http://127.0.0.1:9")))
         await wait_for(lambda: _applied(api, "opt"), what="plan applied")
         await wait_for(lambda: _settled(api), what="Ready")  # no decision mid-reshuffle
+        phases = {p: REGISTRY.get_sample_value("distserve_deployment_phase", {
+            "namespace": NAMESPACE, "deployment": "opt", "phase": p}) for p in ("Ready", "Planning")}
+        assert phases == {"Ready": 1.0, "Planning": 0.0}  # what the Degraded alert reads
         status = await wait_for(lambda: _observing(api, "PrometheusUnavailable"), what="condition")
         assert condition(status, replanning.OBSERVING)["status"] == "False"
         assert "no decision" in condition(status, replanning.OBSERVING)["message"]
@@ -60,6 +64,7 @@ async def test_prometheus_down_is_a_condition_and_no_decision(kmock):
     finally:
         await stop(runner)
     assert REGISTRY.get_sample_value("distserve_replan_decisions_total", {
+        "namespace": NAMESPACE, "deployment": "opt",
         "action": "no-decision", "reason": "prometheus-unavailable"}) >= 1
 
 
@@ -95,7 +100,8 @@ async def test_a_replan_is_recorded_and_reshuffled_to(kmock, monkeypatch):
     monkeypatch.setattr(replanning.observing, "observe", observe)
     monkeypatch.setattr(replanning.deciding, "decide", decide)
     before = REGISTRY.get_sample_value("distserve_replan_decisions_total",
-                                       {"action": "replan", "reason": "ratio"}) or 0
+                                       {"namespace": NAMESPACE, "deployment": "opt",
+                                        "action": "replan", "reason": "ratio"}) or 0
     api = prepare(kmock)
     runner = KopfRunner(OPERATOR_ARGS, timeout=30).__enter__()
     try:
@@ -127,6 +133,7 @@ async def test_a_replan_is_recorded_and_reshuffled_to(kmock, monkeypatch):
     finally:
         await stop(runner)
     after = REGISTRY.get_sample_value("distserve_replan_decisions_total",
-                                      {"action": "replan", "reason": "ratio"})
+                                      {"namespace": NAMESPACE, "deployment": "opt",
+                                        "action": "replan", "reason": "ratio"})
     assert after == before + 1
 

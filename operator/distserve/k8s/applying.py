@@ -14,6 +14,7 @@ from typing import Any
 from distserve import spec as specs
 from distserve.k8s import naming, router
 from distserve.k8s.client import ApiClient, ApiError
+from distserve.plan import Plan
 
 # Kinds the operator owns, in the order they are deleted (dependents first).
 OWNED_KINDS = ("Pod", "Service", "ConfigMap", "Deployment")
@@ -69,16 +70,24 @@ async def apply_objects(api: ApiClient, objects: list[dict[str, Any]]) -> dict[s
     return counts
 
 
-async def read_router_instances(api: ApiClient, owner: naming.Owner) -> list[dict[str, Any]]:
-    """The instances the router is told about now (empty when there is no router yet)."""
+async def read_router_config(api: ApiClient, owner: naming.Owner) -> dict[str, Any] | None:
+    """The router's full configuration now (None when there is no router yet)."""
     found = await api.get("ConfigMap", owner.namespace, naming.router_name(owner))
     document = ((found or {}).get("data") or {}).get(router.ROUTER_CONFIG_FILE)
     if not document:
-        return []
+        return None
     try:
-        return list(json.loads(document).get("instances", []))
-    except (ValueError, AttributeError):
-        return []
+        config = json.loads(document)
+    except ValueError:
+        return None
+    return config if isinstance(config, dict) else None
+
+
+async def read_router_instances(api: ApiClient, owner: naming.Owner) -> list[dict[str, Any]]:
+    """The instances the router is told about now (empty when there is no router yet)."""
+    config = await read_router_config(api, owner) or {}
+    instances = config.get("instances", [])
+    return list(instances) if isinstance(instances, list) else []
 
 
 def route_instances(
@@ -104,9 +113,11 @@ def route_instances(
 
 
 async def apply_router(api: ApiClient, owner: naming.Owner, spec: specs.DistServeDeploymentSpec,
-                       instances: list[dict[str, Any]]) -> None:
-    """The router's ConfigMap, Deployment and Service, as built."""
-    config = router.build_router_config(owner, spec, instances)
+                       instances: list[dict[str, Any]],
+                       plan: Plan | dict[str, Any] | None = None) -> None:
+    """The router's ConfigMap, Deployment and Service, as built (with the plan it serves,
+    which its metrics export)."""
+    config = router.build_router_config(owner, spec, instances, plan)
     await apply_objects(api, [
         router.build_router_config_map_spec(owner, spec, config),
         router.build_router_deployment_spec(owner, spec, config),
@@ -148,10 +159,14 @@ async def create_missing(api: ApiClient, objects: list[dict[str, Any]],
 
 
 async def update_router(api: ApiClient, owner: naming.Owner, spec: specs.DistServeDeploymentSpec,
-                        **change: Any) -> None:
-    """Apply `route_instances(current, **change)` to the router."""
-    current = await read_router_instances(api, owner)
-    await apply_router(api, owner, spec, route_instances(current, **change))
+                        plan: Plan | None = None, **change: Any) -> None:
+    """Apply `route_instances(current, **change)` to the router, and `plan` as the one it
+    serves (else the plan it already names)."""
+    config = await read_router_config(api, owner) or {}
+    instances = config.get("instances", [])
+    current = list(instances) if isinstance(instances, list) else []
+    await apply_router(api, owner, spec, route_instances(current, **change),
+                       plan if plan is not None else config.get("plan"))
 
 
 def instance_labels(owner: naming.Owner, revision_id: str, role: str, index: int) -> dict[str, str]:

@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 
 from distserve import spec as specs
-from distserve.k8s import client, monitoring, naming, reconciling, replanning
+from distserve.k8s import client, metrics, monitoring, naming, reconciling, replanning
 from distserve.k8s.client import ApiClient
 
 RESOURCE = (specs.API_GROUP, specs.API_VERSION, specs.PLURAL)
@@ -99,4 +99,5 @@ async def deployment_delete(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: 
     """Delete everything the resource owns."""
     async with _lock(memo):
         count = await reconciling.delete_resource(memo["api"], body)
+    metrics.forget(naming.Owner.from_body(body))
     logger.info(f"deleted {count} objects")

@@ -126,7 +126,7 @@ async def heal(api: ApiClient, body: Any, owner: naming.Owner, status: dict[str,
         endpoints = [e for e in (m.endpoint() for m in members) if e]
         routed = applying.route_instances(applying.route_instances([], add=endpoints),
                                           draining=draining)
-    config = router.build_router_config(owner, spec, routed)
+    config = router.build_router_config(owner, spec, routed, st.stored_plan(status))
     objects += [router.build_router_config_map_spec(owner, spec, config),
                 router.build_router_deployment_spec(owner, spec, config),
                 router.build_router_service_spec(owner, spec)]

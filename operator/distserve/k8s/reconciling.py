@@ -26,7 +26,7 @@ from typing import Any
 import kopf
 
 from distserve import spec as specs
-from distserve.k8s import applying, naming, planning, reshuffling, rollout
+from distserve.k8s import applying, metrics, naming, planning, reshuffling, rollout
 from distserve.k8s import status as st
 from distserve.k8s.client import ApiClient
 
@@ -72,6 +72,8 @@ async def write_status(
     for kind, is_true, reason, message in conditions:
         merged = st.set_condition(merged, kind, is_true, reason, message)
     patch = {**fields, "conditions": merged} if conditions else dict(fields)
+    if patch.get("phase"):
+        metrics.set_phase(owner, patch["phase"])
     if not patch or st_matches(status, patch):
         return status
     await api.patch(KIND, owner.namespace, owner.name, {"status": patch}, subresource="status")

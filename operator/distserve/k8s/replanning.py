@@ -27,21 +27,17 @@ import time
 from typing import Any
 
 import kopf
-from prometheus_client import Counter
 
 from distserve.analyzer import decide as deciding
 from distserve.analyzer import observe as observing
 from distserve.analyzer.observation import Observation
 from distserve.analyzer.prometheus import PrometheusClient, PrometheusError
-from distserve.k8s import naming, planning, reconciling
+from distserve.k8s import metrics, naming, planning, reconciling
 from distserve.k8s import status as st
 from distserve.k8s.client import ApiClient
 
 HISTORY_LENGTH = 10
 OBSERVING = "Observing"
-DECISIONS = Counter("distserve_replan_decisions_total",
-                    "Replanning decisions of the operator, by action and reason category",
-                    ["action", "reason"])
 
 
 def reason_label(decision: deciding.Decision) -> str:
@@ -119,11 +115,17 @@ async def replan_round(api: ApiClient, body: Any, memo: Any, lock: asyncio.Lock)
         observation = await observing.observe(client, {"deployment": owner.name},
                                               window_s=settings.window_seconds, end_s=now_s)
     except (PrometheusError, OSError, ValueError) as exc:
-        DECISIONS.labels(action="no-decision", reason="prometheus-unavailable").inc()
+        metrics.count_decision(owner, "no-decision", "prometheus-unavailable")
         await reconciling.write_status(api, owner, {}, [(OBSERVING, False, "PrometheusUnavailable",
                                                          f"no decision: {exc}")])
         return
-    decision = await decide(api, spec, plan, settings, observation, memo)
+    try:
+        decision = await decide(api, spec, plan, settings, observation, memo)
+    except (ValueError, ArithmeticError) as exc:  # the search could not judge this window
+        metrics.count_decision(owner, "no-decision", "evaluator-failed")
+        await reconciling.write_status(api, owner, {}, [(OBSERVING, False, "EvaluatorFailed",
+                                                         f"no decision: {type(exc).__name__}: {exc}")])
+        return
     async with lock:
         await record(api, body, owner, status, observation, decision)
         if decision.action == "replan" and decision.plan is not None:
@@ -148,7 +150,7 @@ async def decide(api: ApiClient, spec: Any, plan: Any, settings: Any, observatio
 async def record(api: ApiClient, body: Any, owner: naming.Owner, status: dict[str, Any],
                  observation: Observation, decision: deciding.Decision) -> None:
     """Status, metric and Event of one decision."""
-    DECISIONS.labels(action=decision.action, reason=reason_label(decision)).inc()
+    metrics.count_decision(owner, decision.action, reason_label(decision))
     summary = decision_summary(decision, observation.end_s)
     history = [*((status.get("replanning") or {}).get("history") or []),
                {k: summary[k] for k in ("time", "action", "kind", "reason")}][-HISTORY_LENGTH:]

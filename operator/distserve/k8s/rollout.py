@@ -84,9 +84,12 @@ async def start(api: ApiClient, owner: naming.Owner, planned: planning.Planned,
     result = reshuffling.plan_reshuffle(old_prints, new_prints, free)
     await applying.create_or_patch(api, workers.build_engine_config_map_spec(revision))
     kept = frozenset(i.name for i in result.kept)
-    if kept and any(e.get("draining") and e["name"] in kept
-                    for e in await applying.read_router_instances(api, owner)):
-        await applying.update_router(api, owner, spec, serving=kept)  # a replaced reshuffle's drain
+    routed = await applying.read_router_config(api, owner)
+    if routed is not None:  # the router names the plan it moves to (its metrics export it)
+        is_redrained = kept and any(e.get("draining") and e["name"] in kept
+                                    for e in routed.get("instances", []))
+        change = {"serving": kept} if is_redrained else {}  # a replaced reshuffle's drain
+        await applying.update_router(api, owner, spec, plan=planned.plan, **change)
     shuffle = {"revision": revision.id, "steps": [_step_record(s) for s in result.steps],
                "next": 0, "drainingSince": None, "drainDeadline": None} if result.steps else None
     fields = {"reshuffle": shuffle, **fleet.status_fields(old, status, {revision.id: planned.plan})}
@@ -112,7 +115,7 @@ async def create(api: ApiClient, owner: naming.Owner, spec: specs.DistServeDeplo
                                        *made.objects(known)])
     routed = {e.get("name") for e in await applying.read_router_instances(api, owner)}
     if made.name not in routed:
-        await applying.update_router(api, owner, spec, add=[made.endpoint()])
+        await applying.update_router(api, owner, spec, plans[step["revision"]], add=[made.endpoint()])
     return live if found else [*live, made]
 
 

@@ -38,7 +38,7 @@ ENGINE_HASH_ANNOTATION = "distserve.io/engine-hash"
 
 def build_router_config(
     owner: naming.Owner, spec: specs.DistServeDeploymentSpec, instances: list[dict[str, Any]],
-    plan: Plan | None = None,
+    plan: Plan | dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The full view: every instance of every live revision, draining ones marked
     (see `applying.route_instances`), and the plan being served (for the metrics)."""
@@ -48,8 +48,8 @@ def build_router_config(
         "port": spec.engine.port,
         "instances": instances,
     }
-    if plan is not None:
-        config["plan"] = plan_settings(plan)
+    if plan is not None:  # a Plan, or the settings an earlier config already holds
+        config["plan"] = plan if isinstance(plan, dict) else plan_settings(plan)
     return config
 
 
