@@ -6,11 +6,13 @@ Once with plain processes, once with Ray actors (skipped where Ray cannot start)
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 
 import httpx
 import pytest
@@ -86,13 +88,20 @@ def test_up_serves_and_ctrl_c_stops_everything(tiny_llama, tmp_path, backend):
     port = free_port_block()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     # --no-measure: this test is about serving; test_up_profile.py measures and caches.
+    # The process backend also starts a Prometheus (`--prometheus`) where Debian's package is.
+    with_prometheus = backend == "process" and shutil.which("prometheus") is not None
     proc = subprocess.Popen([sys.executable, "-c", CLI, "up", "-f", str(spec), "--port", str(port),
-                             "--backend", backend, "--no-measure"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--backend", backend, "--no-measure",
+                             *(["--prometheus"] if with_prometheus else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, b"")), daemon=True)
+    reader.start()
     url = f"http://127.0.0.1:{port}"
     try:
         def is_up() -> bool:
-            assert proc.poll() is None, proc.stdout.read().decode()
+            assert proc.poll() is None, b"".join(lines).decode()
             try:
                 return httpx.get(f"{url}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
@@ -102,12 +111,34 @@ def test_up_serves_and_ctrl_c_stops_everything(tiny_llama, tmp_path, backend):
         r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        if with_prometheus:
+            assert wait_until(lambda: any(line.startswith(b"Prometheus at ") for line in lines),
+                              timeout_s=60), b"".join(lines).decode()
+            prometheus_url = _printed_prometheus_url(lines)
+            assert wait_until(lambda: _scraped_targets(prometheus_url) == 3, timeout_s=60)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
-        log = proc.stdout.read().decode()
+        reader.join(timeout=10)
+        log = b"".join(lines).decode()
         assert "plan: 1 prefill + 1 decode" in log, log  # the planner read model.name's config.json
         assert all(_is_free(port + i) for i in range(3))  # router and both instances are gone
         assert wait_until(lambda: ray_actor_pids() <= actors_before, timeout_s=30)  # no actor left
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _printed_prometheus_url(lines: list[bytes]) -> str:
+    """The URL `distserve up --prometheus` printed."""
+    found = [line.decode() for line in lines if line.startswith(b"Prometheus at ")]
+    assert found, b"".join(lines).decode()
+    return found[0].split()[2].rstrip(",")
+
+
+def _scraped_targets(prometheus_url: str) -> int:
+    """How many targets Prometheus scrapes successfully (router and instances)."""
+    try:
+        doc = httpx.get(f"{prometheus_url}/api/v1/query", params={"query": "up == 1"}, timeout=5).json()
+    except httpx.HTTPError:
+        return 0
+    return len(doc["data"]["result"])

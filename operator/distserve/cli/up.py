@@ -21,6 +21,7 @@ the demo's report. The work folder (settings, process logs) is removed on stop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -121,8 +122,11 @@ def run(args) -> int:
     backend = "ray" if args.ray_address else args.backend
     launcher = LocalLauncher(settings, args.host, args.port, backend, args.ray_address)
     _log(f"work folder {launcher.workdir} (settings and logs; removed on stop)")
+    stack = contextlib.ExitStack()
     try:
         launcher.start(progress=_log)
+        if args.prometheus and replanning is None:  # --replan starts its own and says where
+            _start_prometheus(stack, launcher)
         if args.demo:
             return _demo(args, spec, plan, launcher, source)
         if replanning is not None:
@@ -137,7 +141,19 @@ def run(args) -> int:
         _log("stopping ...")
         return 0
     finally:
+        stack.close()
         launcher.stop()
+
+
+def _start_prometheus(stack: contextlib.ExitStack, launcher) -> None:
+    """A Prometheus scraping the router and instances, its URL printed, stopped with `up`."""
+    from distserve.local.prometheus import LocalPrometheus
+    from distserve.local.replanning import scrape_targets
+
+    prometheus = stack.enter_context(
+        LocalPrometheus(launcher.workdir / "prometheus", scrape_targets(launcher)))
+    _log(f"Prometheus at {prometheus.url}, scraping the router and instances: try the "
+         f"dashboards' queries at {prometheus.url}/graph")
 
 
 def _raise_interrupt(*_) -> None:
@@ -187,6 +203,9 @@ def _add_replan_arguments(parser) -> None:
     """Options of `distserve up --replan` (the workload analyzer's loop, run locally)."""
     from distserve.local.settings import LOCAL_REPLANNING as d
 
+    parser.add_argument("--prometheus", action="store_true",
+                        help="start a Prometheus (/usr/bin/prometheus) scraping this deployment "
+                             "and print its URL (--replan starts one too)")
     parser.add_argument("--replan", action="store_true",
                         help="every --replan-interval, observe the traffic in Prometheus, decide "
                              "keep or replan, print the decision, and on replan reshuffle the processes")
@@ -225,7 +244,6 @@ def _replanning_settings(args, plan):
 
 def _serve_replanning(args, spec, plan, launcher, replanning) -> int:
     """Serve; every interval observe, decide, print and (on replan) reshuffle, until Ctrl-C."""
-    import contextlib
 
     from distserve.local.prometheus import LocalPrometheus
     from distserve.local.replanning import ReplanLoop, scrape_targets
