@@ -13,8 +13,9 @@ bounds, each a 429:
   will have drained enough.
 
 The TTFT model is fitted online from what the router observes: for each request, the
-prompt tokens queued ahead of it on the prefill instance it would go to (its own
-included) and the TTFT it got; a least-squares line `ttft = a + b * tokens` over the
+prompt tokens ahead of it (those of every admitted request still waiting for its first
+token, shared over the prefill instances, plus its own: requests admitted and not yet
+dispatched count too, so a burst sees itself) and the TTFT it got; a least-squares line `ttft = a + b * tokens` over the
 last `TTFT_WINDOW` requests. Until `MIN_TTFT_SAMPLES` requests have been seen nothing
 is refused on this ground.
 """
@@ -45,7 +46,8 @@ class Ticket:
     """One admitted request's place in the counts; released once, whatever happens."""
 
     control: AdmissionControl
-    tokens_ahead: int  # prompt tokens queued ahead on its prefill instance, its own included
+    num_tokens: int  # its prompt tokens
+    tokens_ahead: int  # prompt tokens ahead of it at admission, its own included
     is_waiting: bool = True  # counted in num_waiting until its first token
     is_released: bool = False
 
@@ -56,6 +58,7 @@ class Ticket:
             return
         self.is_waiting = False
         self.control.num_waiting -= 1
+        self.control.waiting_tokens -= self.num_tokens
         if ttft_s is not None:
             self.control.ttft_model.observe(self.tokens_ahead, ttft_s)
 
@@ -112,11 +115,14 @@ class AdmissionControl:
         self.ttft_slo_s = ttft_slo_s
         self.admit_by_ttft = admit_by_ttft
         self.num_waiting = 0
+        self.waiting_tokens = 0  # prompt tokens of the waiting requests
         self.num_inflight = 0
         self.ttft_model = TTFTModel()
 
-    def admit(self, tokens_ahead: int) -> Ticket:
-        """Count the request in, or raise Overloaded (429); never awaits."""
+    def admit(self, num_tokens: int, num_prefill_instances: int = 1) -> Ticket:
+        """Count in a request of `num_tokens` prompt tokens, or raise Overloaded (429);
+        never awaits."""
+        tokens_ahead = -(-self.waiting_tokens // max(num_prefill_instances, 1)) + num_tokens
         if self.num_waiting >= self.max_waiting_requests:
             raise Overloaded(429, f"{self.num_waiting} requests already wait for their first "
                                f"token (limit {self.max_waiting_requests}); retry later",
@@ -133,8 +139,9 @@ class AdmissionControl:
                                    f"{self.ttft_slo_s:g} s; retry later",
                               self._retry_after_s(tokens_ahead))
         self.num_waiting += 1
+        self.waiting_tokens += num_tokens
         self.num_inflight += 1
-        return Ticket(self, tokens_ahead)
+        return Ticket(self, num_tokens, tokens_ahead)
 
     def _retry_after_s(self, tokens_ahead: int) -> int:
         """Seconds until the queue ahead has drained enough to meet the TTFT SLO (1 when

@@ -145,10 +145,9 @@ class Router:
     def admit(self, num_prompt_tokens: int = 0) -> Ticket:
         """Count a request in now, or raise Overloaded; the ticket goes to `generate`."""
         self.check_phases()
-        entry = self.colocated or self.prefill
-        queued = min(s.num_outstanding_tokens for s in entry if s.can_take)
+        num_entry = sum(s.can_take for s in (self.colocated or self.prefill))
         self.admission.max_inflight_requests = self._inflight_limit()
-        return self.admission.admit(queued + num_prompt_tokens)
+        return self.admission.admit(num_prompt_tokens, num_entry)
 
     def _inflight_limit(self) -> int | None:
         """The in-flight bound: as set, else waiting plus INFLIGHT_BATCHES decode batches

@@ -139,3 +139,12 @@ def test_no_refusal_on_ttft_before_the_model_has_seen_enough():
 def test_ttft_admission_needs_an_slo():
     with pytest.raises(ValueError, match="admit_by_ttft"):
         AdmissionControl(10, admit_by_ttft=True)
+
+
+def test_tokens_ahead_count_admitted_requests_before_dispatch():
+    control = AdmissionControl(100)
+    tickets = [control.admit(100) for _ in range(5)]  # a burst, none dispatched yet
+    assert control.admit(100).tokens_ahead == 600
+    assert control.admit(100, num_prefill_instances=2).tokens_ahead == 300 + 100
+    tickets[0].first_token(0.5)  # its prompt is no longer ahead of anyone
+    assert control.admit(100).tokens_ahead == 700
