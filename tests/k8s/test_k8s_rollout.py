@@ -92,6 +92,10 @@ async def test_deleted_worker_pod_is_recreated_with_an_event(kmock):
     try:
         await api.create(make_resource("opt", opt13b_spec(0.15, 0.1)))
         await _wait(lambda: _applied(api, "opt"))
+        # Once the rollout is done (its create steps re-apply their own objects), what goes
+        # missing is the monitor's to heal, with an Event.
+        await play_kubelet(api, "opt")
+        await _wait(lambda: _phase(api, "opt", "Ready"))
         pods = await owned(api, "Pod", "opt")
         gone = pods[0]["metadata"]["name"]
         await api.delete("Pod", NAMESPACE, gone)

@@ -29,7 +29,7 @@ class BadRequest(ValueError):
 
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, strict=True)]  # strict: true and false are no token ids
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
