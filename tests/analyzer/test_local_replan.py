@@ -9,14 +9,13 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
 import httpx
 import pytest
 from prometheus_process import require_prometheus
-from serving_helpers import make_settings, wait_until
+from serving_helpers import make_settings, tiny_spec_yaml, wait_until
 from test_up import CLI, _is_free, free_port_block
 
 from distserve.local.launcher import LocalLauncher
@@ -106,20 +105,6 @@ def test_reshuffle_under_load_replaces_and_adds_instances_losing_nothing(tiny_mo
         assert 'plan_id="plan-c"' in text  # the router took the new plan from its file
 
 
-SPEC = """\
-apiVersion: distserve.io/v1alpha1
-kind: DistServeDeployment
-metadata: {{name: tiny-replan}}
-spec:
-  model: {{name: {path}/config.json, path: {path}, maxModelLen: 256}}
-  slo: {{ttftSeconds: 5, tpotSeconds: 1}}
-  cluster: {{accelerator: CPU, nodes: 1, gpusPerNode: 2}}
-  placement:
-    prefill: {{tp: 1, pp: 1, instances: 1}}
-    decode: {{tp: 1, pp: 1, instances: 1}}
-  planner: {{numRequests: 50}}
-  engine: {{device: cpu}}
-"""
 SHORT_PROMPT_TOKENS, LONG_PROMPT_TOKENS = 12, 180
 PHASE_S = 30.0
 
@@ -132,7 +117,7 @@ def test_up_replan_decides_on_observed_shift_from_short_to_long_prompts(tiny_mod
     `no-decision`), and a shift against the reference window triggers."""
     require_prometheus()
     spec = tmp_path / "tiny.yaml"
-    spec.write_text(textwrap.dedent(SPEC.format(path=tiny_model)))
+    spec.write_text(tiny_spec_yaml(tiny_model, "tiny-replan"))
     port = free_port_block()
     args = ["up", "-f", str(spec), "--port", str(port), "--no-measure", "--replan",
             "--replan-interval", "5", "--replan-window", "15", "--replan-hold", "5",

@@ -92,3 +92,21 @@ def wait_until(predicate, timeout_s: float = 30.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def tiny_spec_yaml(model_path: str, name: str, planner: str = "numRequests: 50") -> str:
+    """A DistServeDeployment of the tiny model on this machine's CPU: 1 prefill + 1 decode."""
+    return f"""\
+apiVersion: distserve.io/v1alpha1
+kind: DistServeDeployment
+metadata: {{name: {name}}}
+spec:
+  model: {{name: {model_path}/config.json, path: {model_path}, maxModelLen: 256}}
+  slo: {{ttftSeconds: 5, tpotSeconds: 1}}
+  cluster: {{accelerator: CPU, nodes: 1, gpusPerNode: 2}}
+  placement:
+    prefill: {{tp: 1, pp: 1, instances: 1}}
+    decode: {{tp: 1, pp: 1, instances: 1}}
+  planner: {{{planner}}}
+  engine: {{device: cpu}}
+"""

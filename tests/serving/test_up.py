@@ -11,27 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 
 import httpx
 import pytest
-from serving_helpers import wait_until
+from serving_helpers import tiny_spec_yaml, wait_until
 
-SPEC = """\
-apiVersion: distserve.io/v1alpha1
-kind: DistServeDeployment
-metadata: {{name: tiny-up}}
-spec:
-  model: {{name: {path}/config.json, path: {path}, maxModelLen: 256}}
-  slo: {{ttftSeconds: 5, tpotSeconds: 1}}
-  cluster: {{accelerator: CPU, nodes: 1, gpusPerNode: 2}}
-  placement:
-    prefill: {{tp: 1, pp: 1, instances: 1}}
-    decode: {{tp: 1, pp: 1, instances: 1}}
-  planner: {{numRequests: 50}}
-  engine: {{device: cpu}}
-"""
 CLI = "import sys; from distserve.cli import main; sys.exit(main(sys.argv[1:]))"
 RAY_PROBE = ("import os; os.environ.setdefault('RAY_AUTH_MODE', 'disabled'); import ray; "
              "ray.init(num_cpus=2, include_dashboard=False); ray.shutdown()")
@@ -84,7 +69,7 @@ def test_up_serves_and_ctrl_c_stops_everything(tiny_llama, tmp_path, backend):
         skip_unless_ray_starts()
     actors_before = ray_actor_pids()
     spec = tmp_path / "tiny.yaml"
-    spec.write_text(textwrap.dedent(SPEC.format(path=tiny_llama)))
+    spec.write_text(tiny_spec_yaml(tiny_llama, "tiny-up"))
     port = free_port_block()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     # --no-measure: this test is about serving; test_up_profile.py measures and caches.

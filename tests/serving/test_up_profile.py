@@ -12,28 +12,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import httpx
 import pytest
-from serving_helpers import wait_until
+from serving_helpers import tiny_spec_yaml, wait_until
 from test_up import CLI, free_port_block
 
-SPEC = """\
-apiVersion: distserve.io/v1alpha1
-kind: DistServeDeployment
-metadata: {{name: tiny-profile}}
-spec:
-  model: {{name: {path}/config.json, path: {path}, maxModelLen: 256}}
-  slo: {{ttftSeconds: 5, tpotSeconds: 1}}
-  cluster: {{accelerator: CPU, nodes: 1, gpusPerNode: 2}}
-  placement:
-    prefill: {{tp: 1, pp: 1, instances: 1}}
-    decode: {{tp: 1, pp: 1, instances: 1}}
-  planner: {{numRequests: 50, maxPrefillTokens: 64, maxDecodeBatch: 4}}
-  engine: {{device: cpu}}
-"""
 DEMO = ["--demo", "--rate", "2", "--duration", "2"]
 
 
@@ -77,7 +62,7 @@ def work_folder(log: str) -> Path:
 @pytest.mark.slow
 def test_up_measures_once_then_reads_the_cache_and_profile_overrides(tiny_llama, tmp_path):
     spec = tmp_path / "tiny.yaml"
-    spec.write_text(textwrap.dedent(SPEC.format(path=tiny_llama)))
+    spec.write_text(tiny_spec_yaml(tiny_llama, "tiny-profile", "numRequests: 50, maxPrefillTokens: 64, maxDecodeBatch: 4"))
 
     # First run: measured here, with progress lines, then cached; the demo ends normally.
     code, log = Up(tmp_path, spec, *DEMO).finish()
