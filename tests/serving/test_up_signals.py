@@ -9,14 +9,13 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 from pathlib import Path
 
 import httpx
 import pytest
-from serving_helpers import wait_until
-from test_up import CLI, SPEC, _is_free, free_port_block
+from serving_helpers import tiny_spec_yaml, wait_until
+from test_up import CLI, _is_free, free_port_block
 
 KEY = "sk-local-7f3a9c0d1e2b"
 PROMPT = "zebra quartz marmalade"  # words the tiny model's corpus never saw
@@ -30,7 +29,7 @@ def ignore_sigint() -> None:
 @pytest.mark.slow
 def test_background_up_stops_on_sigint_and_logs_no_key_or_prompt(tiny_llama, tmp_path):
     spec = tmp_path / "tiny.yaml"
-    spec.write_text(textwrap.dedent(SPEC.format(path=tiny_llama)))
+    spec.write_text(tiny_spec_yaml(tiny_llama, "tiny-up"))
     port = free_port_block()
     env = {**os.environ, "DISTSERVE_API_KEY": KEY}
     proc = subprocess.Popen([sys.executable, "-c", CLI, "up", "-f", str(spec), "--port", str(port),
