@@ -101,6 +101,11 @@ class ServingMetrics:
         self.running = Gauge("vllm:num_requests_running", "Requests in a running batch.", LABELS, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued on an instance.", LABELS, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", LABELS, registry=r)
+        # NOTE: instances count preemptions in their load; the counter grows by the
+        # difference between two polls (a restarted instance counts from 0 again).
+        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted for lack of "
+                                   "KV blocks (recomputed later).", LABELS, registry=r)
+        self._instance_to_preemptions: dict[str, int] = {}
         self.held = Gauge("distserve_kv_held_requests",
                           "Prefilled requests whose KV waits for a decode pull.", LABELS, registry=r)
         self.healthy = Gauge("distserve_instance_healthy", "1 when the instance serves.", LABELS, registry=r)
@@ -232,6 +237,11 @@ class ServingMetrics:
         self.kv_usage.labels(**labels).set(load.kv_usage)
         self.held.labels(**labels).set(load.num_held)
         self.healthy.labels(**labels).set(1.0 if load.is_healthy else 0.0)
+        if load.role in ("decode", "colocated"):
+            last = self._instance_to_preemptions.get(load.instance, 0)
+            increase = load.num_preemptions - last if load.num_preemptions >= last else load.num_preemptions
+            self.preemptions.labels(**labels).inc(increase)
+            self._instance_to_preemptions[load.instance] = load.num_preemptions
 
     def set_unreachable(self, role: str, instance: str) -> None:
         """An instance that does not answer: unhealthy, running and holding nothing."""

@@ -177,7 +177,8 @@ class InstanceLoad:
     num_waiting_tokens: int = 0  # prompt tokens of the waiting requests
     num_running: int = 0  # in a decode batch (decode, colocated) or being prefilled
     num_held: int = 0  # prefilled, KV held until pulled (prefill only)
-    kv_usage: float = 0.0  # share of KV blocks in use (or reserved), in [0, 1]
+    kv_usage: float = 0.0  # share of KV blocks in use (or promised to pulls), in [0, 1]
+    num_preemptions: int = 0  # requests preempted for lack of KV since the instance started
     is_healthy: bool = True
     error: str | None = None  # why the instance is unhealthy
 

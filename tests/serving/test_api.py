@@ -96,7 +96,7 @@ def test_client_disconnect_frees_kv(deployment):
             pass
         assert wait_until(lambda: len(decode.batch) == 1)
     # The connection is closed: the request is cancelled and every KV block comes back.
-    assert wait_until(lambda: len(decode.batch) == 0 and decode.admission.committed_blocks == 0)
+    assert wait_until(lambda: len(decode.batch) == 0 and decode.admission.num_admitted == 0)
     for instance in instances.values():
         bm = instance.runner.block_manager
         assert wait_until(lambda bm=bm: bm.num_free_blocks == bm.num_blocks)

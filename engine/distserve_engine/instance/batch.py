@@ -1,17 +1,27 @@
-"""The running decode batch: admission by KV reservation, one step, finished requests.
+"""The running decode batch: KV blocks allocated as sequences grow, preemption by recompute.
 
-Shared by the decode instance and the colocated instance. A request is admitted only
-when the KV blocks it may ever need (prompt plus `max_tokens`) fit beside the blocks
-already promised to the running requests, and the batch is below its maximum size.
-# NOTE: reserving the worst case means a running request never runs out of blocks, so
-# there is no preemption and no recomputation; the price is fewer concurrent requests
-# when `max_tokens` is much larger than what requests really generate.
+Shared by the decode instance and the colocated instance; the rule is vLLM's default,
+written once in `distserve_engine.policy` and followed by the simulator too:
+- `Admission`: a waiting request joins when the batch is below its maximum size and the
+  blocks its next step needs are free (less those promised to KV pulls in flight);
+  `max_tokens` is not read, so a client that sets it loosely costs nothing;
+- `DecodeBatch.step`: before each decode step every running request gets the blocks its
+  newest token needs, in the order they were admitted; when the free blocks run out, the
+  most recently admitted request is preempted: its blocks are freed and the instance puts
+  it back at the front of its queue, its prompt and generated tokens kept;
+- `DecodeBatch.prefill`: a preempted request, admitted again, is prefilled again on this
+  instance (prompt and generated tokens); that prefill samples its next token, the one
+  the decode step would have, so greedy output does not change.
+# NOTE: the price of growing instead of reserving prompt + max_tokens is recomputation
+# when the cache runs out; the gain is as many concurrent requests as really fit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from distserve_engine import policy
+from distserve_engine.block_manager import BlockManager
 from distserve_engine.instance.loop import Sink
 from distserve_engine.interface import Runner
 from distserve_engine.request import ServeRequest, TokenEvent, TransferStats, now_s
@@ -20,7 +30,7 @@ from distserve_engine.sequence import Sequence
 
 @dataclass
 class Running:
-    """A request in the decode batch and whom to tell about its tokens."""
+    """A request in the decode batch (or preempted, waiting to rejoin) and whom to tell."""
 
     request: ServeRequest
     seq: Sequence
@@ -33,43 +43,63 @@ class Running:
 
 @dataclass
 class Admission:
-    """The KV blocks promised to admitted requests, against the cache's capacity."""
+    """Who may join the decode batch: its size, the free blocks, the blocks promised.
 
-    num_blocks: int  # blocks in the cache
-    block_size: int
+    # NOTE: the cache holds at least one sequence of max_model_len tokens (the runner
+    # refuses a smaller one), so a request alone in the batch always fits: preemption
+    # cannot starve it.
+    """
+
+    block_manager: BlockManager
     max_batch_size: int
-    committed_blocks: int = 0
-    num_admitted: int = 0
-    request_id_to_blocks: dict[str, int] = field(default_factory=dict)
+    num_preemptions: int = 0  # since the instance started (vllm:num_preemptions_total)
+    request_id_to_promise: dict[str, int] = field(default_factory=dict)  # blocks, until in
+    admitted_ids: set[str] = field(default_factory=set)  # running, pulling or recomputing
 
-    def blocks_for(self, request: ServeRequest) -> int:
-        """Blocks a request may need by its last token."""
-        num_tokens = request.num_prompt_tokens + request.params.max_tokens
-        return -(-num_tokens // self.block_size)
+    @property
+    def num_admitted(self) -> int:
+        """Requests admitted and not yet finished, cancelled or preempted."""
+        return len(self.admitted_ids)
 
-    def can_admit(self, request: ServeRequest) -> bool:
-        """True when the request fits in batch size and KV beside those admitted."""
-        is_room = self.committed_blocks + self.blocks_for(request) <= self.num_blocks
-        return is_room and self.num_admitted < self.max_batch_size
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks free and not promised to an admitted request whose KV is not in yet."""
+        promised = sum(self.request_id_to_promise.values())
+        return self.block_manager.num_free_blocks - promised
 
-    def admit(self, request: ServeRequest) -> None:
-        """Promise the request its blocks."""
-        blocks = self.blocks_for(request)
-        self.committed_blocks += blocks
-        self.num_admitted += 1
-        self.request_id_to_blocks[request.request_id] = blocks
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold num_tokens tokens."""
+        return self.block_manager.num_blocks_for(num_tokens)
+
+    def can_admit(self, num_tokens: int) -> bool:
+        """True when a request whose next step holds num_tokens tokens may join now."""
+        return policy.can_admit(self.num_admitted, self.max_batch_size,
+                                self.blocks_for(num_tokens), self.num_free_blocks)
+
+    def admit(self, request_id: str, num_tokens: int) -> None:
+        """Count the request in the batch; promise its blocks until `settle`."""
+        self.admitted_ids.add(request_id)
+        self.request_id_to_promise[request_id] = self.blocks_for(num_tokens)
+
+    def settle(self, request_id: str) -> None:
+        """The request's KV is about to be written into the cache: drop its promise."""
+        self.request_id_to_promise.pop(request_id, None)
 
     def release(self, request_id: str) -> None:
-        """Take back a request's promise (finished, cancelled or failed)."""
-        blocks = self.request_id_to_blocks.pop(request_id, None)
-        if blocks is not None:
-            self.committed_blocks -= blocks
-            self.num_admitted -= 1
+        """The request left the batch (finished, cancelled, failed or preempted)."""
+        self.settle(request_id)
+        self.admitted_ids.discard(request_id)
+
+    def preempt(self, request_id: str) -> None:
+        """The request was preempted: it leaves the batch and is counted."""
+        self.release(request_id)
+        self.num_preemptions += 1
 
     @property
     def usage(self) -> float:
-        """Share of blocks promised, in [0, 1]."""
-        return min(1.0, self.committed_blocks / max(1, self.num_blocks))
+        """Share of blocks in use or promised, in [0, 1]."""
+        num_blocks = max(1, self.block_manager.num_blocks)
+        return min(1.0, 1.0 - self.num_free_blocks / num_blocks)
 
 
 class DecodeBatch:
@@ -77,7 +107,7 @@ class DecodeBatch:
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
-        self.running: dict[str, Running] = {}
+        self.running: dict[str, Running] = {}  # in the order they were admitted
 
     def __len__(self) -> int:
         return len(self.running)
@@ -86,11 +116,41 @@ class DecodeBatch:
         """Join the batch at the next step."""
         self.running[item.request.request_id] = item
 
-    def step(self) -> list[Running]:
-        """Decode one token for every running request; return those that finished."""
+    def step(self, num_free_blocks: int) -> tuple[list[Running], list[Running]]:
+        """Make room (preempting), then decode one token for every running request;
+        return (those that finished, those preempted, oldest first)."""
+        preempted = self.make_room(num_free_blocks)
+        if not self.running:
+            return [], preempted
         items = list(self.running.values())
         self.runner.decode([item.seq for item in items])
-        time_s = now_s()
+        return self._emit_all(items, now_s()), preempted
+
+    def make_room(self, num_free_blocks: int) -> list[Running]:
+        """Preempt the most recently admitted requests until the others' newest tokens
+        fit in num_free_blocks; return them oldest first, their blocks freed."""
+        blocks = self.runner.block_manager
+        items = list(self.running.values())
+        needs = [blocks.num_new_blocks(item.seq, item.seq.num_tokens) for item in items]
+        total = sum(needs)
+        preempted = []
+        while items and total > num_free_blocks:
+            victim = items.pop()
+            total -= needs.pop()
+            num_free_blocks += len(victim.seq.block_table)
+            preempted.append(self.remove(victim.request.request_id))
+        preempted.reverse()
+        return preempted
+
+    def prefill(self, items: list[Running]) -> list[Running]:
+        """Prefill new or preempted requests (every uncached token), stream the token each
+        samples, and join them to the batch; return those that finished."""
+        self.runner.prefill([item.seq for item in items])
+        for item in items:
+            self.add(item)
+        return self._emit_all(items, now_s())
+
+    def _emit_all(self, items: list[Running], time_s: float) -> list[Running]:
         finished = []
         for item in items:
             text = self.runner.check_stop(item.seq)
@@ -113,7 +173,7 @@ class DecodeBatch:
         item.sink(event)
 
     def remove(self, request_id: str) -> Running | None:
-        """Leave the batch and free the KV; the caller releases the reservation."""
+        """Leave the batch and free the KV; the caller releases the admission."""
         item = self.running.pop(request_id, None)
         if item is not None:
             self.runner.free(item.seq)
@@ -126,3 +186,4 @@ class DecodeBatch:
             item.sink(TokenEvent(item.request.request_id, [], now_s(), error=error))
             self.remove(item.request.request_id)
         return items
+

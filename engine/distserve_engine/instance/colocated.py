@@ -4,7 +4,9 @@ Continuous batching as in vLLM (and the paper's baseline): each iteration either
 prefills a batch of waiting requests (FCFS, up to `max_prefill_tokens`, prefill first
 so new requests start soon) or runs one decode step for every running request. A
 prefill therefore stalls every running request for its whole duration: the
-interference DistServe removes. Admission reserves KV like the decode instance.
+interference DistServe removes. KV grows with the sequences and a request preempted for
+lack of blocks goes back to the front of the queue, to be prefilled again, as on the
+decode instance (`batch.py`).
 # NOTE: chunked prefill (Sarathi) would need the runner to prefill part of a prompt
 # onto KV it already holds; the runner's `prefill` takes whole prompts, so this baseline
 # has no chunked mode (the simulator models it).
@@ -12,10 +14,17 @@ interference DistServe removes. Admission reserves KV like the decode instance.
 
 from __future__ import annotations
 
+from distserve_engine import policy
 from distserve_engine.instance.batch import Admission, DecodeBatch, Running
 from distserve_engine.instance.loop import PromptQueueLoop, Waiting, start_sequence
 from distserve_engine.interface import Runner
 from distserve_engine.request import InstanceLoad, TokenEvent, now_s
+
+
+def prefill_tokens(item: Waiting | Running) -> int:
+    """Tokens a queued request's prefill computes: its prompt (and resumed tokens), or
+    for a preempted one everything it holds."""
+    return item.seq.num_tokens if isinstance(item, Running) else item.request.num_tokens
 
 
 class ColocatedInstance(PromptQueueLoop):
@@ -29,59 +38,49 @@ class ColocatedInstance(PromptQueueLoop):
         super().__init__(name, runner)
         self.max_prefill_tokens = max_prefill_tokens
         self.batch = DecodeBatch(runner)
-        self.admission = Admission(
-            num_blocks=runner.block_manager.num_blocks,
-            block_size=runner.block_manager.block_size,
-            max_batch_size=max_batch_size,
-        )
+        self.admission = Admission(runner.block_manager, max_batch_size)
+        # _waiting (FCFS) holds new requests (Waiting) and preempted ones (Running).
 
     def step(self) -> None:
         """Prefill the waiting requests that fit, else decode one token for all."""
         batch = self._schedule()
         if batch:
-            self._prefill(batch)
+            for item in batch:
+                self.admission.settle(item.request.request_id)
+            self._release(self.batch.prefill(batch))
         elif len(self.batch):
-            for item in self.batch.step():
-                self.admission.release(item.request.request_id)
+            finished, preempted = self.batch.step(self.admission.num_free_blocks)
+            self._release(finished)
+            for item in reversed(preempted):
+                self.admission.preempt(item.request.request_id)
+                self._waiting.appendleft(item)
 
-    def _schedule(self) -> list[Waiting]:
-        batch: list[Waiting] = []
-        num_tokens = 0
-        for item in self._waiting:
-            n = item.request.num_tokens
-            if batch and num_tokens + n > self.max_prefill_tokens:
-                break
-            if not self.admission.can_admit(item.request):
-                break
-            self.admission.admit(item.request)
+    def _release(self, items: list[Running]) -> None:
+        for item in items:
+            self.admission.release(item.request.request_id)
+
+    def _schedule(self) -> list[Running]:
+        """Admit the head of the queue: a prefill batch within Lm, batch size and free KV."""
+        admission = self.admission
+        room = min(admission.max_batch_size - admission.num_admitted,
+                   self.runner.config.max_num_seqs)
+        queue = ((n, admission.blocks_for(n)) for n in map(prefill_tokens, self._waiting))
+        count = policy.num_prefill_batch(queue, self.max_prefill_tokens,
+                                         admission.num_free_blocks, room)
+        started_s = now_s()
+        batch = []
+        for _ in range(count):
+            item = self._waiting.popleft()
+            if not isinstance(item, Running):
+                item = Running(item.request, start_sequence(item.request, self.runner),
+                               item.sink, item.queued_s, started_s)
+            admission.admit(item.request.request_id, item.seq.num_tokens)
             batch.append(item)
-            num_tokens += n
-        for _ in batch:
-            self._waiting.popleft()
         return batch
 
-    def _prefill(self, batch: list[Waiting]) -> None:
-        started_s = now_s()
-        seqs = [start_sequence(w.request, self.runner) for w in batch]
-        self.runner.prefill(seqs)
-        time_s = now_s()
-        for item, seq in zip(batch, seqs, strict=True):
-            running = Running(
-                request=item.request,
-                seq=seq,
-                sink=item.sink,
-                queued_s=item.queued_s,
-                started_s=started_s,
-            )
-            self.batch.add(running)
-            text = self.runner.check_stop(seq)
-            self.batch.emit(running, seq.output_token_ids[-1], text, time_s)
-            if seq.is_finished:
-                self.batch.remove(item.request.request_id)
-                self.admission.release(item.request.request_id)
-
     def _has_work(self) -> bool:
-        can_prefill = bool(self._waiting) and self.admission.can_admit(self._waiting[0].request)
+        can_prefill = bool(self._waiting) and self.admission.can_admit(
+            prefill_tokens(self._waiting[0]))
         return bool(len(self.batch) or can_prefill)
 
     def _cancel(self, request_id: str) -> None:
@@ -103,4 +102,5 @@ class ColocatedInstance(PromptQueueLoop):
 
     def load(self) -> InstanceLoad:
         """Waiting queue, running batch, promised KV."""
-        return self._queue_load(num_running=len(self.batch), kv_usage=self.admission.usage)
+        return self._queue_load(num_running=len(self.batch), kv_usage=self.admission.usage,
+                                num_preemptions=self.admission.num_preemptions)

@@ -1,8 +1,10 @@
 """The decode instance: continuous batching, and KV pulled only when there is room.
 
 DistServe section 4.3: a prefilled request waits here (as a `KVHandle`, its KV still on
-the prefill instance) until this instance can promise it the KV blocks it will need and
-a place in the batch. Only then is its KV pulled. The pull runs on a transfer thread
+the prefill instance) until this instance has room for it: a place in the batch and the
+blocks of its prompt and first token (`batch.py`: KV then grows with the sequence, and
+a request preempted for lack of blocks waits at the front of the same queue, to be
+prefilled again here). Only then is its KV pulled. The pull runs on a transfer thread
 while the engine thread keeps stepping the batch; the finished blob is written into the
 cache between two steps, and the request joins the batch at the next one. So a burst of
 prefilled requests waits in prefill memory (back-pressure) and never stalls decoding.
@@ -53,12 +55,9 @@ class DecodeInstance(InstanceLoop):
         super().__init__(name, runner)
         self.fetcher = fetcher  # pulls run on this instance's transfer threads
         self.batch = DecodeBatch(runner)
-        self.admission = Admission(
-            num_blocks=runner.block_manager.num_blocks,
-            block_size=runner.block_manager.block_size,
-            max_batch_size=max_batch_size,
-        )
-        self._pending: deque[_Incoming] = deque()  # prefilled, KV not pulled yet
+        self.admission = Admission(runner.block_manager, max_batch_size)
+        # FCFS: prefilled requests whose KV is not pulled yet, and preempted ones.
+        self._pending: deque[_Incoming | Running] = deque()
         self._pulling: dict[str, _Incoming] = {}
         self._ready: deque[tuple[_Incoming, KVBlob, TransferStats]] = deque()
         self._pool = ThreadPoolExecutor(NUM_TRANSFER_THREADS, thread_name_prefix=f"pull-{name}")
@@ -82,19 +81,43 @@ class DecodeInstance(InstanceLoop):
         self.fetcher.close()  # its shared-memory arena goes with it
 
     def step(self) -> None:
-        """Start the pulls that fit, import finished ones, decode one token for all."""
-        self._start_pulls()
+        """Import finished pulls, admit what fits (start pulls, recompute the preempted),
+        then either prefill the recomputed ones or decode one token for all."""
         self._import_ready()
-        if len(self.batch):
-            for item in self.batch.step():
-                self.admission.release(item.request.request_id)
+        recompute = self._admit()
+        if recompute:
+            for item in recompute:
+                self.admission.settle(item.request.request_id)
+            self._release(self.batch.prefill(recompute))
+        elif len(self.batch):
+            finished, preempted = self.batch.step(self.admission.num_free_blocks)
+            self._release(finished)
+            for item in reversed(preempted):
+                self.admission.preempt(item.request.request_id)
+                self._pending.appendleft(item)
 
-    def _start_pulls(self) -> None:
-        while self._pending and self.admission.can_admit(self._pending[0].request):
-            incoming = self._pending.popleft()
-            self.admission.admit(incoming.request)
-            self._pulling[incoming.request.request_id] = incoming
-            self._pool.submit(self._pull, incoming)
+    def _release(self, items: list[Running]) -> None:
+        for item in items:
+            self.admission.release(item.request.request_id)
+
+    def _admit(self) -> list[Running]:
+        """Admit the head of the queue while it fits: start its pull, or return it to be
+        prefilled again (a preempted request)."""
+        recompute: list[Running] = []
+        while self._pending:
+            head = self._pending[0]
+            num_tokens = _next_step_tokens(head)
+            is_full = len(recompute) >= self.runner.config.max_num_seqs
+            if is_full or not self.admission.can_admit(num_tokens):
+                break
+            self._pending.popleft()
+            self.admission.admit(head.request.request_id, num_tokens)
+            if isinstance(head, Running):
+                recompute.append(head)
+            else:
+                self._pulling[head.request.request_id] = head
+                self._pool.submit(self._pull, head)
+        return recompute
 
     def _pull(self, incoming: _Incoming) -> None:
         """Transfer thread: fetch the KV (tried again once after a short pause), then hand
@@ -128,6 +151,7 @@ class DecodeInstance(InstanceLoop):
                 self.admission.release(rid)
                 self.fetcher.release(incoming.prefill.kv)
                 continue
+            self.admission.settle(rid)  # the blocks are reserved by the import below
             seq = Sequence(rid, incoming.request.prompt_token_ids, incoming.request.params)
             seq.output_token_ids.extend([*incoming.request.resume_token_ids, incoming.prefill.first_token_id])
             seq.resume_detokenizer(incoming.prefill.detokenizer)  # its text already went out
@@ -149,8 +173,9 @@ class DecodeInstance(InstanceLoop):
             )
 
     def _has_work(self) -> bool:
-        can_pull = bool(self._pending) and self.admission.can_admit(self._pending[0].request)
-        return bool(len(self.batch) or self._ready or can_pull)
+        can_admit = bool(self._pending) and self.admission.can_admit(
+            _next_step_tokens(self._pending[0]))
+        return bool(len(self.batch) or self._ready or can_admit)
 
     def _cancel(self, request_id: str) -> None:
         for incoming in list(self._pending):
@@ -171,7 +196,8 @@ class DecodeInstance(InstanceLoop):
         self._pending.clear()
         self._ready.clear()
         for incoming in waiting:
-            incoming.is_cancelled = True
+            if isinstance(incoming, _Incoming):
+                incoming.is_cancelled = True
             incoming.sink(TokenEvent(incoming.request.request_id, [], now_s(), error=error))
 
     def load(self) -> InstanceLoad:
@@ -184,6 +210,13 @@ class DecodeInstance(InstanceLoop):
             num_waiting_tokens=sum(p.request.num_tokens for p in pending),
             num_running=len(self.batch),
             kv_usage=self.admission.usage,
+            num_preemptions=self.admission.num_preemptions,
             is_healthy=self.is_healthy,
             error=self.error,
         )
+
+
+def _next_step_tokens(item: _Incoming | Running) -> int:
+    """Tokens a queued request holds at its next step: a pulled one its prompt (and
+    resumed tokens) and first token, a preempted one everything it has."""
+    return item.seq.num_tokens if isinstance(item, Running) else item.request.num_tokens + 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from distserve_engine import policy
 from distserve_engine.instance.loop import PromptQueueLoop, Waiting, start_sequence
 from distserve_engine.interface import Runner
 from distserve_engine.kv_cache import KVBlob
@@ -95,24 +96,13 @@ class PrefillInstance(PromptQueueLoop):
             )
 
     def _schedule(self) -> list[Waiting]:
-        """Head of the queue while tokens stay within Lm and the KV fits."""
-        batch: list[Waiting] = []
-        num_tokens = 0
-        num_blocks = 0
-        free_blocks = self.runner.block_manager.num_free_blocks
-        for item in self._waiting:
-            n = item.request.num_tokens
-            blocks = self._blocks_for(n)
-            if batch and num_tokens + n > self.max_prefill_tokens:
-                break
-            if num_blocks + blocks > free_blocks or len(batch) >= self.runner.config.max_num_seqs:
-                break
-            batch.append(item)
-            num_tokens += n
-            num_blocks += blocks
-        for _ in batch:
-            self._waiting.popleft()
-        return batch
+        """Head of the queue while tokens stay within Lm and the KV fits (`policy`)."""
+        queue = ((w.request.num_tokens, self._blocks_for(w.request.num_tokens))
+                 for w in self._waiting)
+        count = policy.num_prefill_batch(queue, self.max_prefill_tokens,
+                                         self.runner.block_manager.num_free_blocks,
+                                         self.runner.config.max_num_seqs)
+        return [self._waiting.popleft() for _ in range(count)]
 
     def _blocks_for(self, num_tokens: int) -> int:
         # +1: the runner may give the first generated token its slot already.

@@ -1,0 +1,51 @@
+"""The batching rules the engine and the simulator share, written once (no torch).
+
+The control plane never imports the engine, except this module: the simulator
+(`distserve.simulator`) imports it so that the prefill instances, the colocated instances
+and both simulators fill a prefill batch by the same function. It must therefore stay
+pure Python, importing nothing beyond the standard library (a test checks that importing
+the simulator loads no torch).
+
+The decode-side rule (`instance/batch.py`, `distserve.simulator.batch`) is shared in
+words and held equal by `tests/control/test_conformance.py`:
+- KV grows with the sequence: a decode step first gives every running request room for
+  all its tokens (the newest included), in the order they were admitted; when the free
+  KV is short, the most recently admitted request is preempted (recompute, vLLM's
+  default): its KV is freed and it goes back to the front of its instance's queue;
+- a waiting request is admitted, first come first served, when the batch is below its
+  maximum size and the KV its next step needs is free (`can_admit`);
+- a preempted request, admitted again, is prefilled again on the same instance (prompt
+  and generated tokens), and that prefill samples its next token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def num_prefill_batch(
+    queue: Iterable[tuple[int, int]], max_batch_tokens: int, free_kv: int, max_batch_size: int
+) -> int:
+    """How many requests at the head of an FCFS queue form the next prefill batch.
+
+    `queue` yields (tokens to prefill, KV it needs, in blocks or tokens) per request, head
+    first; it is read only as far as the batch goes. The batch takes requests while their
+    tokens stay within `max_batch_tokens` (Lm; a longer request runs alone), their KV
+    within `free_kv` and their number within `max_batch_size`.
+    """
+    count = num_tokens = kv = 0
+    for tokens, need in queue:
+        if count and num_tokens + tokens > max_batch_tokens:
+            break
+        if kv + need > free_kv or count >= max_batch_size:
+            break
+        count += 1
+        num_tokens += tokens
+        kv += need
+    return count
+
+
+def can_admit(num_running: int, max_batch_size: int, need_kv: int, free_kv: int) -> bool:
+    """True when a waiting request may join the decode batch: below its maximum size, and
+    the KV its next step needs (blocks or tokens) is free."""
+    return num_running < max_batch_size and need_kv <= free_kv
