@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 from pydantic.alias_generators import to_camel
 
 from distserve.analyzer.settings import ReplanningSpec
+from distserve.spec_access import NetworkPolicySpec, RouterSpec
 from distserve.spec_base import SpecError, SpecModel
 from distserve.spec_pods import GangScheduling, ModelSource, PodOptions, is_quantity, merge_options
 
@@ -259,6 +260,9 @@ class DistServeDeploymentSpec(SpecModel):
         default=None, description="A fixed placement; when set the search is skipped."
     )
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine pod options.")
+    router: RouterSpec = Field(default_factory=RouterSpec, description="The router's API keys.")
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec, description="Who may reach the pods.")
     auto_apply: bool = Field(
         default=True,
         description="Apply a new plan at once; false: wait for the annotation "

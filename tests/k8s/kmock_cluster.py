@@ -30,6 +30,7 @@ RESOURCES = {
     "v1/configmaps": ("ConfigMap", True, set()),
     "v1/events": ("Event", True, set()),
     "apps/v1/deployments": ("Deployment", True, {"status"}),
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, set()),
     "apiextensions.k8s.io/v1/customresourcedefinitions": ("CustomResourceDefinition", False, set()),
     "distserve.io/v1alpha1/distservedeployments": ("DistServeDeployment", True, {"status"}),
 }

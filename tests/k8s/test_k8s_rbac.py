@@ -75,7 +75,8 @@ def grants(rules: list[dict]) -> set[Grant]:
 
 
 async def drive_lifecycle(api: ApiClient, emulator) -> None:
-    """Create, serve, heal, re-plan and roll out, change the engine, delete."""
+    """Create, serve, heal, re-plan and roll out, change the engine and who may reach the
+    router, delete."""
     await api.create(make_resource("opt", opt13b_spec(0.15, 0.1)))
     first = await _wait(lambda: _applied(api, "opt"))
     await play_kubelet(api, "opt")
@@ -88,9 +89,11 @@ async def drive_lifecycle(api: ApiClient, emulator) -> None:
     second = await _wait(lambda: _applied(api, "opt", not_plan=first["planId"]))
     await play_kubelet(api, "opt")
     await _wait(lambda: _only_revision(api, "opt", second["revision"]))
-    await api.patch("DistServeDeployment", NAMESPACE, "opt",
-                    {"spec": {"engine": {"serviceType": "NodePort"}}})
+    await api.patch("DistServeDeployment", NAMESPACE, "opt", {"spec": {
+        "engine": {"serviceType": "NodePort"},
+        "networkPolicy": {"apiFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}}})
     await _wait(lambda: _service_type(api, "NodePort"))
+    await _wait(lambda: _router_policy_names(api, "10.0.0.0/8"))
     await api.delete("DistServeDeployment", NAMESPACE, "opt")
     await _wait(lambda: _all_gone(api, "opt"))
 
@@ -173,3 +176,10 @@ async def _has_pod(api, name):
 async def _service_type(api, kind):
     found = await api.get("Service", NAMESPACE, "opt")
     return found and found["spec"].get("type") == kind
+
+
+async def _router_policy_names(api, cidr):
+    """Whether the router's NetworkPolicy lets `cidr` in."""
+    found = await api.get("NetworkPolicy", NAMESPACE, "opt-router")
+    peers = found["spec"]["ingress"][0].get("from", []) if found else []
+    return any(p.get("ipBlock", {}).get("cidr") == cidr for p in peers)

@@ -70,6 +70,14 @@ these rules grant each one and nothing more).
   resources: ["podgroups"]
   verbs: ["get", "list", "create", "patch", "delete"]
 {{- end }}
+{{- if .Values.networkPolicy.enabled }}
+# Who may reach a deployment's pods (networkPolicy.enabled, spec.networkPolicy): one
+# NetworkPolicy for its instances and one for its router, created or patched by name,
+# listed by label (the monitor re-creates a missing one), deleted with the deployment.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+{{- end }}
 # Events that say what happened and why (kopf posts them).
 - apiGroups: [""]
   resources: ["events"]

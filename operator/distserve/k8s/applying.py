@@ -12,12 +12,19 @@ import json
 from typing import Any
 
 from distserve import spec as specs
-from distserve.k8s import naming, router
+from distserve.k8s import naming, network, router
 from distserve.k8s.client import ApiClient, ApiError
 from distserve.plan import Plan
 
 # Kinds the operator owns, in the order they are deleted (dependents first).
 OWNED_KINDS = ("Pod", "Service", "ConfigMap", "Deployment")
+POLICY_KIND = "NetworkPolicy"  # one pair per deployment, not per revision
+
+
+def owned_kinds() -> tuple[str, ...]:
+    """OWNED_KINDS, and NetworkPolicies where the operator manages them (its chart grants
+    them; otherwise it may not even list them)."""
+    return OWNED_KINDS + ((POLICY_KIND,) if network.settings().is_managed else ())
 
 
 def is_subset(desired: Any, current: Any) -> bool:
@@ -125,12 +132,38 @@ async def apply_router(api: ApiClient, owner: naming.Owner, spec: specs.DistServ
     ])
 
 
+async def refresh_router(api: ApiClient, owner: naming.Owner,
+                         spec: specs.DistServeDeploymentSpec) -> None:
+    """Re-apply an existing router with the spec as it is now (its API key, its pod
+    options), same instances, same plan; nothing when there is no router yet."""
+    config = await read_router_config(api, owner)
+    if config is not None:
+        instances = config.get("instances", [])
+        await apply_router(api, owner, spec, list(instances) if isinstance(instances, list) else [],
+                           config.get("plan"))
+
+
+async def apply_network_policies(api: ApiClient, owner: naming.Owner,
+                                 spec: specs.DistServeDeploymentSpec) -> int:
+    """Make the deployment's NetworkPolicies as built, or delete them when the spec turned
+    them off; nothing where the operator does not manage them. How many were applied."""
+    found = network.settings()
+    if not found.is_managed:
+        return 0
+    policies = network.build_network_policies(owner, spec, found)
+    if policies:
+        await apply_objects(api, policies)
+    else:
+        await delete_labelled(api, owner.namespace, {naming.DEPLOYMENT_LABEL: owner.name}, (POLICY_KIND,))
+    return len(policies)
+
+
 async def inventory(api: ApiClient, owner: naming.Owner) -> dict[str, dict[str, dict[str, Any]]]:
-    """Kind -> name -> object, for every object of OWNED_KINDS the resource owns (one list
-    per kind: the monitor reads this once a round instead of one GET per object)."""
+    """Kind -> name -> object, for every object of `owned_kinds()` the resource owns (one
+    list per kind: the monitor reads this once a round instead of one GET per object)."""
     labels = {naming.DEPLOYMENT_LABEL: owner.name}
     return {kind: {o["metadata"]["name"]: o for o in await api.list(kind, owner.namespace, labels)}
-            for kind in OWNED_KINDS}
+            for kind in owned_kinds()}
 
 
 def routed_in(found: dict[str, dict[str, dict[str, Any]]], owner: naming.Owner) -> list[dict[str, Any]]:
@@ -199,10 +232,11 @@ async def delete_revisions(api: ApiClient, owner: naming.Owner, spec: specs.Dist
 
 
 async def delete_labelled(api: ApiClient, namespace: str, labels: dict[str, str],
-                          kinds: tuple[str, ...] = OWNED_KINDS) -> int:
-    """Delete every object of `kinds` carrying the labels; how many were deleted."""
+                          kinds: tuple[str, ...] | None = None) -> int:
+    """Delete every object of `kinds` (default: `owned_kinds()`) carrying the labels; how
+    many were deleted."""
     count = 0
-    for kind in kinds:
+    for kind in owned_kinds() if kinds is None else kinds:
         for obj in await api.list(kind, namespace, labels):
             count += await api.delete(kind, namespace, obj["metadata"]["name"])
     return count

@@ -32,6 +32,7 @@ _KINDS: dict[str, tuple[str, str, bool]] = {
     "Node": ("api/v1", "nodes", False),
     "Event": ("api/v1", "events", True),
     "Deployment": ("apis/apps/v1", "deployments", True),
+    "NetworkPolicy": ("apis/networking.k8s.io/v1", "networkpolicies", True),
     # scheduler-plugins' coscheduling groups (spec.engine.gangScheduling; see `gang`)
     "PodGroup": ("apis/scheduling.x-k8s.io/v1alpha1", "podgroups", True),
     "DistServeDeployment": ("apis/distserve.io/v1alpha1", "distservedeployments", True),

@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 
 from distserve import spec as specs
-from distserve.k8s import client, metrics, monitoring, naming, reconciling, replanning
+from distserve.k8s import client, metrics, monitoring, naming, network, reconciling, replanning
 from distserve.k8s.client import ApiClient
 
 RESOURCE = (specs.API_GROUP, specs.API_VERSION, specs.PLURAL)
@@ -42,6 +42,7 @@ async def operator_startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=STORAGE_PREFIX, key="last-handled-configuration")
     settings.posting.level = logging.INFO
+    network.settings()  # a malformed chart value stops the operator here, naming the variable
     memo["api"] = ApiClient()
 
 

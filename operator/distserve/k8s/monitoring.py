@@ -3,7 +3,7 @@ must be re-created, drained or removed.
 
 Each round (the kopf timer, under the resource's lock, on a fresh read of it):
 1. re-create what the live instances (`fleet`) and the router run on and has gone
-   missing;
+   missing, their NetworkPolicies included;
 2. remove the objects of revisions no live instance comes from (a replaced reshuffle's
    leftovers: Services, ConfigMaps and router entries would otherwise stay forever);
 3. advance the reshuffle in progress by one step (`rollout`); a drain's deadline is
@@ -20,7 +20,18 @@ from typing import Any
 
 import kopf
 
-from distserve.k8s import applying, fleet, health, naming, nodes, planning, rollout, router, workers
+from distserve.k8s import (
+    applying,
+    fleet,
+    health,
+    naming,
+    network,
+    nodes,
+    planning,
+    rollout,
+    router,
+    workers,
+)
 from distserve.k8s import status as st
 from distserve.k8s.client import ApiClient
 from distserve.k8s.reconciling import KIND, PLANNING_REASONS, Timing, write_status
@@ -129,7 +140,8 @@ async def heal(api: ApiClient, body: Any, owner: naming.Owner, status: dict[str,
     config = router.build_router_config(owner, spec, routed, st.stored_plan(status))
     objects += [router.build_router_config_map_spec(owner, spec, config),
                 router.build_router_deployment_spec(owner, spec, config),
-                router.build_router_service_spec(owner, spec)]
+                router.build_router_service_spec(owner, spec),
+                *network.build_network_policies(owner, spec, network.settings())]
     created = await applying.create_missing(api, objects, found)
     if created:
         kopf.warn(body, reason="Recreated", message=f"re-created missing {', '.join(created)}")

@@ -26,7 +26,7 @@ from typing import Any
 import kopf
 
 from distserve import spec as specs
-from distserve.k8s import applying, metrics, naming, planning, reshuffling, rollout
+from distserve.k8s import applying, metrics, naming, network, planning, reshuffling, rollout
 from distserve.k8s import status as st
 from distserve.k8s.client import ApiClient
 
@@ -137,12 +137,16 @@ async def degrade(api: ApiClient, body: Any, owner: naming.Owner, reason: str, m
 async def apply_plan(api: ApiClient, body: Any, owner: naming.Owner, planned: planning.Planned) -> None:
     """Plan the reshuffle from what runs to the plan and start it; the monitor finishes it."""
     revision = naming.Revision(owner, planned.plan, planned.spec)
+    await apply_access(api, body, owner, planned.spec)  # before any pod: none runs unguarded
     current = await api.get(KIND, owner.namespace, owner.name) or body
     status = current.get("status") or {}
     shuffle = status.get("reshuffle") or {}
     if status.get("revision") == revision.id and (shuffle.get("revision") in (None, revision.id)) \
             and status.get("instances") is not None:
-        return  # this revision is applied or on its way: the monitor heals and advances it
+        # this revision is applied or on its way: the monitor heals and advances it; what
+        # the router runs with beyond the revision (its API key) may have changed
+        await applying.refresh_router(api, owner, planned.spec)
+        return
     try:
         fields, result = await rollout.start(api, owner, planned, status)
     except reshuffling.ReshuffleError as exc:
@@ -160,6 +164,17 @@ async def apply_plan(api: ApiClient, body: Any, owner: naming.Owner, planned: pl
                                         set(planned.known_nodes), None, only_creates=True))
     await write_status(api, owner, fields, [(st.APPLIED, True, "Applied", message),
         (st.DEGRADED, False, "Applied", "the plan is applied")])
+
+
+async def apply_access(api: ApiClient, body: Any, owner: naming.Owner,
+                       spec: specs.DistServeDeploymentSpec) -> None:
+    """The deployment's NetworkPolicies as the spec asks; an Event when it asks for them
+    and the operator's chart has them off."""
+    await applying.apply_network_policies(api, owner, spec)
+    if spec.network_policy.enabled and not network.settings().is_managed:
+        kopf.warn(body, reason="NetworkPolicyOff", message="spec.networkPolicy.enabled, but the "
+                  "operator's chart has networkPolicy.enabled false: no NetworkPolicy is created "
+                  "and the instances' endpoints are open to every pod in the cluster")
 
 
 async def approve(api: ApiClient, body: Any) -> None:

@@ -171,7 +171,8 @@ async def _run_step(api: ApiClient, body: Any, owner: naming.Owner, spec: specs.
     if not any(m.revision_id == member.revision_id for m in live) \
             and member.revision_id != shuffle["revision"]:
         revision_labels = {naming.DEPLOYMENT_LABEL: owner.name, naming.REVISION_LABEL: member.revision_id}
-        count += await applying.delete_labelled(api, owner.namespace, revision_labels)
+        count += await applying.delete_labelled(api, owner.namespace, revision_labels,
+                                                applying.OWNED_KINDS)
     kopf.info(body, reason="Deleted", message=f"instance {member.name}: {count} objects deleted")
     return True, live, shuffle
 

@@ -34,6 +34,7 @@ ROUTER_CONFIG_DIR = "/etc/distserve/router"
 ROUTER_SETTINGS_FILE = "serve.json"  # the engine's ServeSettings with `peers`
 ROUTER_CONFIG_FILE = "router.json"  # every instance of every live revision, draining marked
 ENGINE_HASH_ANNOTATION = "distserve.io/engine-hash"
+API_KEY_ENV = "DISTSERVE_API_KEY"  # the engine's router reads its keys from it
 
 
 def build_router_config(
@@ -110,7 +111,7 @@ def build_router_container(owner: naming.Owner, spec: specs.DistServeDeploymentS
             "--shutdown-timeout-s", str(SHUTDOWN_TIMEOUT_S),
         ],
         "ports": [{"name": "http", "containerPort": engine.port}],
-        "env": build_env(owner.name, engine.device),
+        "env": build_env(owner.name, engine.device) + build_api_key_env(spec),
         # The router needs no GPU: only CPU and memory.
         "resources": pods.build_resources(options, pods.ROUTER_REQUESTS),
         **pods.build_probes(options, pods.ROUTER_STARTUP_TIMEOUT_S),
@@ -119,6 +120,17 @@ def build_router_container(owner: naming.Owner, spec: specs.DistServeDeploymentS
                          *weights.weights_mounts(spec)],
     }
     return pods.harden_container(container, options, has_shm=False)
+
+
+def build_api_key_env(spec: specs.DistServeDeploymentSpec) -> list[dict[str, Any]]:
+    """DISTSERVE_API_KEY from the Secret key `spec.router.apiKeySecret` names (kubelet
+    reads it; the operator never sees the keys). A missing Secret keeps the router from
+    starting rather than serving an open API."""
+    secret = spec.router.api_key_secret
+    if secret is None:
+        return []
+    return [{"name": API_KEY_ENV,
+             "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}}]
 
 
 def build_router_deployment_spec(
