@@ -6,10 +6,12 @@ import pytest
 
 from distserve.catalog import get_model
 from distserve.search import NoFeasiblePlan, build_context, find_goodput, plan_deployment
-from distserve.search.algorithms import balance
-from distserve.search.candidates import ClusterShape, instance_configs, segment_configs
+from distserve.search.algorithms import balance, phase_table
+from distserve.search.candidates import ClusterShape, Config, instance_configs, segment_configs
 from distserve.search.curves import plan_unit
-from distserve.search.trials import run_unit
+from distserve.search.goodput import REL_TOL
+from distserve.search.planner import SearchOverrides
+from distserve.search.trials import Unit, run_unit, unit_goodput
 from distserve.simulator import SLO
 from distserve.spec import DistServeDeploymentSpec
 
@@ -165,3 +167,20 @@ def test_goodput_search_stops_at_its_cap_for_a_deployment_that_never_misses():
         rates.clear()
         found = find_goodput(trial, SLO(1.0, 0.1, 0.9, "both"), estimate)
         assert found.rate_rps == MAX_RATE_RPS and all(r <= MAX_RATE_RPS for r in rates)
+
+
+def test_a_pair_ranked_last_by_its_phases_alone_is_still_found_when_best():
+    # OPT-13B, TTFT 0.25 s: one tp1 prefill instance alone meets TTFT for 90% at about
+    # 2.6 req/s, two behind one dispatcher at about 11 (they pool their queues), so the
+    # pair's estimate from its phases alone is under half its joint goodput and ranks it
+    # last; the old pruning stopped before it.
+    spec = make_spec(slo={"ttftSeconds": 0.25})
+    ctx = build_context(spec)
+    table = phase_table(lambda fn, args: [fn(*a) for a in args], ctx, [Config(1, 1), Config(2, 1)])
+    pair = Unit(Config(1, 1), Config(2, 1), 2, 1, ctx.intra_node_bytes_per_s)
+    estimate_rps = min(2 * table[("prefill", Config(1, 1))].rate_rps,
+                       table[("decode", Config(2, 1))].rate_rps)
+    joint_rps = unit_goodput(ctx, pair).rate_rps
+    assert joint_rps > 1.5 * estimate_rps
+    plan = plan_deployment(spec, overrides=SearchOverrides(with_baselines=False))
+    assert plan.per_gpu_goodput_rps >= joint_rps / pair.num_gpus * (1 - REL_TOL)

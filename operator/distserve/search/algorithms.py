@@ -8,12 +8,20 @@ configurations of a prefill and a decode segment that share each node, and simul
 the pair jointly, KV moving over the node's link.
 NOTE: in Algorithm 2 a node may hold several prefill or decode segments of the same
 stage (num_prefill, num_decode), so the two phases need not be 1:1; the counts come from
-the phases' own goodputs, and the per-phase goodputs also bound the joint one, so
-pairs that cannot beat the best joint result so far are not simulated jointly.
+the phases' own goodputs, which also rank the pairs.
+NOTE: that ranking is no bound on a pair's joint goodput, so it only orders the work.
+Counts x one instance's goodput undercounts: under a tail-latency SLO instances behind
+one dispatcher pool their queues (OPT-13B on A100, TTFT 0.25 s: one tp1 prefill meets
+it for 90% at 2.6 req/s, two together at 11.3, not 5.3); decode alone sees Poisson
+arrivals that prefill smooths in the joint run; and a coarse bisection reports the low
+end of its bracket. So once a best is known, every other pair is screened by one joint
+trial at the best's rate per GPU: a pair that misses the SLO target there cannot beat
+the best (attainment falls as the rate rises, which the bisection itself relies on),
+and such a trial stops as soon as the target is out of reach.
 NOTE: a deployment sized for a rate packs copies of several units on the cluster's
-nodes (`packing`), so Algorithm 2 then also simulates the units close to the best
-(SHORTLIST_SHARE) and the best of every footprint (GPUs per node), whose copies fill
-the GPUs the others leave free.
+nodes (`packing`), so Algorithm 2 then shortlists the units whose estimates come close
+to the best (SHORTLIST_SHARE, at most MAX_SHORTLIST) and the best of every footprint
+(GPUs per node), whose copies fill the GPUs the others leave free.
 """
 
 from __future__ import annotations
@@ -24,13 +32,21 @@ from dataclasses import dataclass
 
 from distserve.latency import kv_capacity_tokens
 from distserve.search.candidates import ClusterShape, segment_configs
-from distserve.search.goodput import Goodput
-from distserve.search.trials import Config, SearchContext, Unit, phase_goodput, unit_goodput
+from distserve.search.goodput import REL_TOL, Goodput
+from distserve.search.trials import (
+    Config,
+    SearchContext,
+    Unit,
+    meets_target_at,
+    phase_goodput,
+    unit_goodput,
+)
 
 MAX_INSTANCES_PER_UNIT = 8
 MAX_RESIZES = 3  # Algorithm 1: joint re-simulations while growing the counts to the rate
-SHORTLIST_SHARE = 0.8  # units bound within this share of the best per GPU are simulated too
-MAX_SHORTLIST = 8  # most units simulated jointly for that reason (fill-ins not counted)
+SHORTLIST_SHARE = 0.8  # with packing, units estimated within this share of the best per GPU
+MAX_SHORTLIST = 8  # most units kept for that reason (fill-ins not counted)
+SCREEN_BATCH = 8  # pairs screened at once (the best's rate moves on between batches)
 
 
 @dataclass(frozen=True)
@@ -50,8 +66,9 @@ class UnitChoice:
 def balance(
     prefill_rps: float, prefill_gpus: int, decode_rps: float, decode_gpus: int, max_gpus: int
 ) -> tuple[int, int, float]:
-    """(num_prefill, num_decode, bound_rps): instance counts within max_gpus whose slower
-    phase serves the most requests per GPU; bound_rps is that slower phase's rate."""
+    """(num_prefill, num_decode, rate_rps): instance counts within max_gpus whose slower
+    phase serves the most requests per GPU, each instance counted at its goodput alone;
+    rate_rps is that slower phase's rate (an estimate: see the module's NOTE)."""
     best = (0, 0, 0.0)
     best_per_gpu = 0.0
     for num_prefill in range(1, MAX_INSTANCES_PER_UNIT + 1):
@@ -59,9 +76,9 @@ def balance(
             gpus = num_prefill * prefill_gpus + num_decode * decode_gpus
             if gpus > max_gpus:
                 break
-            bound_rps = min(num_prefill * prefill_rps, num_decode * decode_rps)
-            if bound_rps / gpus > best_per_gpu * (1 + 1e-9):
-                best, best_per_gpu = (num_prefill, num_decode, bound_rps), bound_rps / gpus
+            rate_rps = min(num_prefill * prefill_rps, num_decode * decode_rps)
+            if rate_rps / gpus > best_per_gpu * (1 + 1e-9):
+                best, best_per_gpu = (num_prefill, num_decode, rate_rps), rate_rps / gpus
     return best
 
 
@@ -121,8 +138,8 @@ def algorithm1(
         unit = Unit(prefill, decode, num_prefill, num_decode, ctx.inter_node_bytes_per_s)
         progress(f"algorithm 1: prefill tp{prefill.tp}pp{prefill.pp} x{num_prefill}, "
                  f"decode tp{decode.tp}pp{decode.pp} x{num_decode}")
-        bound_rps = min(num_prefill * prefill_rps, num_decode * decode_rps)
-        (joint,) = pmap(unit_goodput, [(ctx, unit, None, None, bound_rps)])
+        estimate_rps = min(num_prefill * prefill_rps, num_decode * decode_rps)
+        (joint,) = pmap(unit_goodput, [(ctx, unit, None, None, estimate_rps)])
         if not rate_rps or joint.rate_rps >= rate_rps or joint.rate_rps <= 0:
             break
         # NOTE: both phases together miss more requests than either alone, so the
@@ -157,7 +174,9 @@ def algorithm2(
 ) -> list[UnitChoice] | None:
     """(inter_op, prefill segment, decode segment) units by joint per-GPU goodput, best
     first: the best alone, or with is_packing the shortlist to pack copies of; None when
-    no configuration fits. min_kv: (prefill, decode) KV tokens needed."""
+    no configuration fits. min_kv: (prefill, decode) KV tokens needed. For the best,
+    every pair is either simulated to its goodput or seen to miss the SLOs at the
+    best's rate."""
     inter_ops = [
         k for k in range(1, min(cluster.max_nodes_per_instance, cluster.num_nodes) + 1)
         if model.num_layers % k == 0
@@ -179,18 +198,9 @@ def algorithm2(
         unit = Unit(configs[0], configs[0], 1, 1, ctx.intra_node_bytes_per_s)
         return [UnitChoice(unit, 1, Goodput(0.0, best_phase_attainment(table), 0))]
     progress(f"algorithm 2: {len(ranked)} prefill/decode segment pairs")
-    share = SHORTLIST_SHARE if is_packing else 1.0
-    found: list[UnitChoice] = []
-    for start in range(0, len(ranked), batch_size):
-        batch = ranked[start:start + batch_size]
-        best = found[0].per_gpu_rps if found else 0.0
-        if found and (batch[0][0] <= best * share or (is_packing and len(found) >= MAX_SHORTLIST)):
-            break  # no pair left can beat (or come near) the best joint goodput
-        found = _joint(pmap, ctx, batch, found)
-        progress(f"algorithm 2: {min(start + batch_size, len(ranked))}/{len(ranked)} pairs "
-                 f"simulated jointly, best {found[0].per_gpu_rps:.3f} req/s per GPU")
     if not is_packing:
-        return found[:1]
+        return [_best_unit(pmap, ctx, ranked, batch_size, progress)]
+    found = _shortlist(pmap, ctx, ranked, batch_size, progress)
     fill_ins = _best_of_each_footprint(ranked, found)
     if fill_ins:
         found = _joint(pmap, ctx, fill_ins, found)
@@ -198,9 +208,59 @@ def algorithm2(
     return [choice for choice in found if choice.goodput.rate_rps > 0] or found[:1]
 
 
+def _best_unit(pmap, ctx, ranked, batch_size: int, progress) -> UnitChoice:
+    """The unit of most joint goodput per GPU: the first batch simulated, every later
+    pair screened at the best's rate (module NOTE) and simulated if it meets it."""
+    found = _joint(pmap, ctx, ranked[:batch_size], [])[:1]
+    screened_out = 0
+    for start in range(batch_size, len(ranked), SCREEN_BATCH):
+        batch = ranked[start:start + SCREEN_BATCH]
+        best = found[0].per_gpu_rps
+        if best > 0:
+            batch = _screen(pmap, ctx, batch, best)
+            screened_out += min(SCREEN_BATCH, len(ranked) - start) - len(batch)
+        if batch:
+            found = _joint(pmap, ctx, batch, found)[:1]
+        progress(f"algorithm 2: {min(start + SCREEN_BATCH, len(ranked))}/{len(ranked)} pairs, "
+                 f"{screened_out} missing the SLOs at the best's rate, best "
+                 f"{found[0].per_gpu_rps:.3f} req/s per GPU")
+    return found[0]
+
+
+def _screen(pmap, ctx, batch, best_per_gpu: float) -> list:
+    """The batch's (estimate per GPU, unit, inter_op) that meet the SLO target at
+    best_per_gpu, their estimates raised to it (where their bisection starts)."""
+    # NOTE: one bisection's tolerance above the best: goodputs closer than that are equal
+    passes = pmap(meets_target_at, [(ctx, unit, best_per_gpu * (1 + REL_TOL) * unit.num_gpus)
+                                    for _, unit, _ in batch])
+    return [(max(estimate, best_per_gpu), unit, inter_op)
+            for (estimate, unit, inter_op), ok in zip(batch, passes, strict=True) if ok]
+
+
+def _shortlist(pmap, ctx, ranked, batch_size: int, progress) -> list[UnitChoice]:
+    """Units to pack copies of, best first: pairs in the order of their estimates while
+    those come within SHORTLIST_SHARE of the best joint goodput, at most MAX_SHORTLIST.
+
+    NOTE: a heuristic, not a bound (module NOTE): what copies serve together is settled
+    by simulating them (`replicas`), and copies pool their queues as instances do, so a
+    unit's own goodput does not rank its copies either.
+    """
+    found: list[UnitChoice] = []
+    for start in range(0, len(ranked), batch_size):
+        batch = ranked[start:start + batch_size]
+        if found and (batch[0][0] <= found[0].per_gpu_rps * SHORTLIST_SHARE
+                      or len(found) >= MAX_SHORTLIST):
+            break
+        found = _joint(pmap, ctx, batch, found)
+        progress(f"algorithm 2: {min(start + batch_size, len(ranked))}/{len(ranked)} pairs "
+                 f"simulated jointly, best {found[0].per_gpu_rps:.3f} req/s per GPU")
+    return found
+
+
 def _joint(pmap, ctx, batch, found: list[UnitChoice]) -> list[UnitChoice]:
-    """found with the batch's (bound per GPU, unit, inter_op) simulated jointly, best first."""
-    # NOTE: the phases' bound (both phases' SLOs at once) is where bisection starts
+    """found with the batch's (estimate per GPU, unit, inter_op) simulated jointly, best first."""
+    # NOTE: bisection starts from the estimate (the phases' balance, or the rate a
+    # screened pair was seen to meet)
     results = pmap(unit_goodput, [
         (ctx, unit, None, None, per_gpu * unit.num_gpus) for per_gpu, unit, _ in batch
     ])
@@ -210,7 +270,7 @@ def _joint(pmap, ctx, batch, found: list[UnitChoice]) -> list[UnitChoice]:
 
 
 def _best_of_each_footprint(ranked, found: list[UnitChoice]) -> list:
-    """The best-bound unit of every footprint (GPUs per node) not simulated yet."""
+    """The best-ranked unit of every footprint (GPUs per node) not simulated yet."""
     seen = {(choice.unit, choice.inter_op) for choice in found}
     footprints = {choice.unit.num_gpus // choice.inter_op for choice in found}
     picks = []
@@ -223,7 +283,8 @@ def _best_of_each_footprint(ranked, found: list[UnitChoice]) -> list:
 
 
 def _ranked_units(ctx, cluster, inter_op_to_segments, table, min_kv) -> list[tuple[float, Unit, int]]:
-    """Every feasible (bound per GPU, unit, inter_op), best bound first.
+    """Every feasible (estimate per GPU, unit, inter_op), best estimate first: the
+    slower phase's count x one instance's goodput (an order, no bound; module NOTE).
 
     A unit pairs a prefill segment and a decode segment that share each of inter_op
     nodes; the instance configurations span those nodes (pp = inter_op x the segment's
@@ -237,14 +298,14 @@ def _ranked_units(ctx, cluster, inter_op_to_segments, table, min_kv) -> list[tup
                 decode = Config(decode_segment.tp, inter_op * decode_segment.pp)
                 if not (_has_kv(ctx, prefill, min_kv[0]) and _has_kv(ctx, decode, min_kv[1])):
                     continue
-                num_prefill, num_decode, bound_rps = balance(
+                num_prefill, num_decode, estimate_rps = balance(
                     table[("prefill", prefill)].rate_rps, prefill_segment.num_gpus,
                     table[("decode", decode)].rate_rps, decode_segment.num_gpus,
                     cluster.gpus_per_node,
                 )
-                if bound_rps > 0:
+                if estimate_rps > 0:
                     unit = Unit(prefill, decode, num_prefill, num_decode, ctx.intra_node_bytes_per_s)
-                    ranked.append((bound_rps / unit.num_gpus, unit, inter_op))
+                    ranked.append((estimate_rps / unit.num_gpus, unit, inter_op))
     ranked.sort(key=lambda item: -item[0])
     return ranked
 

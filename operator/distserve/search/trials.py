@@ -232,6 +232,12 @@ def unit_goodput(
     )
 
 
+def meets_target_at(ctx: SearchContext, unit: Unit | Instances, rate_rps: float) -> bool:
+    """Whether the unit meets the context's SLO target at rate_rps: one trial, stopped
+    as soon as the target is out of reach."""
+    return run_unit(ctx, unit, rate_rps, ctx.slo).attainment(ctx.slo) >= ctx.slo.attainment
+
+
 def phase_goodput(ctx: SearchContext, phase: str, config: Config) -> Goodput:
     """Goodput of one prefill instance judged on TTFT alone, or one decode instance on
     TPOT alone (Algorithm 1's simu_prefill and simu_decode)."""
