@@ -8,8 +8,9 @@ moves over the node's fast link) and going elsewhere when none there has room. A
 colocated instance (the baseline) is picked as a prefill one is. Only instances that
 can take work count: healthy and not draining.
 
-The router owns the `Slot`s and keeps their counters; these functions only read them,
-so the simulator's dispatch can be checked against the same rules.
+The router owns the `Slot`s and keeps their counters; these functions only read them.
+The rule of room is `policy.has_decode_room`, which the simulator calls too; the
+conformance test (`tests/control/test_conformance.py`) holds both dispatches equal.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distserve_engine.interface import InstanceClient, InstanceError
-
-DECODE_KV_FULL = 0.9  # a decode instance at this KV usage has no room for another request
+from distserve_engine.policy import has_decode_room
 
 
 class NoInstance(InstanceError):
@@ -68,8 +68,7 @@ def pick_prefill(slots: list[Slot], role: str = "prefill") -> Slot:
 
 def has_room(slot: Slot, max_decode_batch: int | None) -> bool:
     """Whether a decode instance can take one more request now (KV and batch size)."""
-    is_batch_full = max_decode_batch is not None and slot.num_outstanding >= max_decode_batch
-    return slot.kv_usage < DECODE_KV_FULL and not is_batch_full
+    return has_decode_room(slot.num_outstanding, slot.kv_usage, max_decode_batch)
 
 
 def pick_decode(slots: list[Slot], prefill_node: str | None, max_decode_batch: int | None) -> Slot:

@@ -16,11 +16,18 @@ words and held equal by `tests/control/test_conformance.py`:
   maximum size and the KV its next step needs is free (`can_admit`);
 - a preempted request, admitted again, is prefilled again on the same instance (prompt
   and generated tokens), and that prefill samples its next token.
+
+Decode dispatch (`dispatch.pick_decode`, the simulator's `hand_to_decode`): the least
+loaded decode instance (requests sent and not finished, then KV usage) among those with
+room (`has_decode_room`) near the prefill instance, else among those with room anywhere,
+else among all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+DECODE_KV_FULL = 0.9  # a decode instance at this KV usage has no room for another request
 
 
 def num_prefill_batch(
@@ -49,3 +56,10 @@ def can_admit(num_running: int, max_batch_size: int, need_kv: int, free_kv: int)
     """True when a waiting request may join the decode batch: below its maximum size, and
     the KV its next step needs (blocks or tokens) is free."""
     return num_running < max_batch_size and need_kv <= free_kv
+
+
+def has_decode_room(num_outstanding: int, kv_usage: float, max_decode_batch: int | None) -> bool:
+    """Whether a decode instance may be sent one more request now: its KV usage is below
+    DECODE_KV_FULL and its requests (sent, not finished) below max_decode_batch."""
+    is_batch_full = max_decode_batch is not None and num_outstanding >= max_decode_batch
+    return kv_usage < DECODE_KV_FULL and not is_batch_full

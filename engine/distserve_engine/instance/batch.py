@@ -3,7 +3,8 @@
 Shared by the decode instance and the colocated instance; the rule is vLLM's default,
 written once in `distserve_engine.policy` and followed by the simulator too:
 - `Admission`: a waiting request joins when the batch is below its maximum size and the
-  blocks its next step needs are free (less those promised to KV pulls in flight);
+  blocks its next step needs are free beside those the running requests' next step
+  needs and those promised to KV pulls in flight;
   `max_tokens` is not read, so a client that sets it loosely costs nothing;
 - `DecodeBatch.step`: before each decode step every running request gets the blocks its
   newest token needs, in the order they were admitted; when the free blocks run out, the
@@ -71,10 +72,15 @@ class Admission:
         """Blocks that hold num_tokens tokens."""
         return self.block_manager.num_blocks_for(num_tokens)
 
-    def can_admit(self, num_tokens: int) -> bool:
-        """True when a request whose next step holds num_tokens tokens may join now."""
+    def can_admit(self, num_tokens: int, batch: DecodeBatch) -> bool:
+        """True when a request whose next step holds num_tokens tokens may join now,
+        beside the blocks `batch`'s next step needs."""
         return policy.can_admit(self.num_admitted, self.max_batch_size,
-                                self.blocks_for(num_tokens), self.num_free_blocks)
+                                self.blocks_for(num_tokens), self.num_free_for(batch))
+
+    def num_free_for(self, batch: DecodeBatch) -> int:
+        """Blocks free for newcomers: free, less promised, less the batch's next step."""
+        return self.num_free_blocks - batch.num_new_blocks()
 
     def admit(self, request_id: str, num_tokens: int) -> None:
         """Count the request in the batch; promise its blocks until `settle`."""
@@ -115,6 +121,12 @@ class DecodeBatch:
     def add(self, item: Running) -> None:
         """Join the batch at the next step."""
         self.running[item.request.request_id] = item
+
+    def num_new_blocks(self) -> int:
+        """Blocks the running requests must gain for their next step."""
+        blocks = self.runner.block_manager
+        return sum(blocks.num_new_blocks(item.seq, item.seq.num_tokens)
+                   for item in self.running.values())
 
     def step(self, num_free_blocks: int) -> tuple[list[Running], list[Running]]:
         """Make room (preempting), then decode one token for every running request;

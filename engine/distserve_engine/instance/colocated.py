@@ -66,7 +66,7 @@ class ColocatedInstance(PromptQueueLoop):
                    self.runner.config.max_num_seqs)
         queue = ((n, admission.blocks_for(n)) for n in map(prefill_tokens, self._waiting))
         count = policy.num_prefill_batch(queue, self.max_prefill_tokens,
-                                         admission.num_free_blocks, room)
+                                         admission.num_free_for(self.batch), room)
         started_s = now_s()
         batch = []
         for _ in range(count):
@@ -80,7 +80,7 @@ class ColocatedInstance(PromptQueueLoop):
 
     def _has_work(self) -> bool:
         can_prefill = bool(self._waiting) and self.admission.can_admit(
-            prefill_tokens(self._waiting[0]))
+            prefill_tokens(self._waiting[0]), self.batch)
         return bool(len(self.batch) or can_prefill)
 
     def _cancel(self, request_id: str) -> None:

@@ -108,7 +108,7 @@ class DecodeInstance(InstanceLoop):
             head = self._pending[0]
             num_tokens = _next_step_tokens(head)
             is_full = len(recompute) >= self.runner.config.max_num_seqs
-            if is_full or not self.admission.can_admit(num_tokens):
+            if is_full or not self.admission.can_admit(num_tokens, self.batch):
                 break
             self._pending.popleft()
             self.admission.admit(head.request.request_id, num_tokens)
@@ -174,7 +174,7 @@ class DecodeInstance(InstanceLoop):
 
     def _has_work(self) -> bool:
         can_admit = bool(self._pending) and self.admission.can_admit(
-            _next_step_tokens(self._pending[0]))
+            _next_step_tokens(self._pending[0]), self.batch)
         return bool(len(self.batch) or self._ready or can_admit)
 
     def _cancel(self, request_id: str) -> None:

@@ -105,8 +105,9 @@ class PrefillInstance(PromptQueueLoop):
         return [self._waiting.popleft() for _ in range(count)]
 
     def _blocks_for(self, num_tokens: int) -> int:
-        # +1: the runner may give the first generated token its slot already.
-        return self.runner.block_manager.num_blocks_for(num_tokens + 1)
+        # The prefill reserves the prompt's blocks only; the first token's KV is written
+        # on the decode instance.
+        return self.runner.block_manager.num_blocks_for(num_tokens)
 
     def _kv_nbytes(self, num_tokens: int) -> int:
         return self.runner.kv_bytes_per_token * num_tokens

@@ -3,9 +3,13 @@
 Nothing about a decode batch changes between a request joining and a request leaving
 except that every context grows by one token per step, so the time of k steps is a
 sum of an arithmetic series. The batch therefore advances by whole runs of steps at
-once: to the next finish, or to the first iteration boundary after a newcomer is ready
-to join. This is what keeps a trial to a few events per request instead of one per
-generated token.
+once: to the next finish, to the first iteration boundary after a newcomer is ready
+to join, or to the step whose KV would no longer fit its memory budget. This is what
+keeps a trial to a few events per request instead of one per generated token.
+
+KV grows with the sequences (`distserve_engine.policy`): at a boundary whose next step
+does not fit, the instance preempts the most recently joined members (`preempt_newest`)
+until it does, and queues them to be prefilled again.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ class DecodeBatch:
     c + (n - j) tokens at step n, so the total context is `offset + size * n`.
     """
 
-    __slots__ = ("timer", "step", "time_s", "size", "offset", "_finish", "first_token_s")
+    __slots__ = ("timer", "step", "time_s", "size", "offset", "_finish", "_members", "_joins")
 
     def __init__(self, timer: StageTimer) -> None:
         self.timer = timer
@@ -31,24 +35,51 @@ class DecodeBatch:
         self.time_s = 0.0  # when the batch reached `step`
         self.size = 0
         self.offset = 0  # sum over members of (context at join - step at join)
-        self._finish: list[tuple[int, int, int]] = []  # heap of (finish step, rid, offset)
-        self.first_token_s: dict[int, float] = {}
+        self._finish: list[tuple[int, int, int]] = []  # heap of (finish step, join no, rid)
+        # rid -> (offset, finish step, join no, first token time), in the order they joined
+        self._members: dict[int, tuple[int, int, int, float]] = {}
+        self._joins = 0
 
     def add(self, rid: int, context_tokens: int, steps_left: int, first_token_s: float) -> None:
-        """Join at the current boundary; the request leaves after steps_left steps."""
+        """Join at the current boundary; the request leaves after steps_left steps.
+        context_tokens: the tokens it holds at its first step here (the newest included)."""
         offset = context_tokens - self.step
-        heapq.heappush(self._finish, (self.step + steps_left, rid, offset))
+        finish = self.step + steps_left
+        self._joins += 1
+        heapq.heappush(self._finish, (finish, self._joins, rid))
+        self._members[rid] = (offset, finish, self._joins, first_token_s)
         self.offset += offset
         self.size += 1
-        self.first_token_s[rid] = first_token_s
 
     def total_context(self) -> int:
-        """Tokens of KV the batch reads at the current step."""
+        """Tokens of KV the batch holds at the current step (the newest ones included)."""
         return self.offset + self.size * self.step
+
+    def context_at(self, step: int) -> int:
+        """Tokens of KV the batch holds at a later step, membership unchanged."""
+        return self.offset + self.size * step
 
     def steps_to_next_finish(self) -> int:
         """Steps until the earliest member finishes (the batch must not be empty)."""
+        self._drop_stale()
         return self._finish[0][0] - self.step
+
+    def steps_within(self, budget_tokens: int) -> int:
+        """How many steps from now fit in budget_tokens of KV (a large number when the
+        batch is empty)."""
+        if self.size == 0:
+            return 1 << 62
+        last_step = (budget_tokens - self.offset) // self.size  # the last step that fits
+        return max(0, last_step - self.step + 1)
+
+    def preempt_newest(self) -> tuple[int, int, int, float]:
+        """Remove the member that joined last: (rid, tokens it holds now, steps it had
+        left, its first token time)."""
+        rid = next(reversed(self._members))
+        offset, finish, _, first_s = self._members.pop(rid)
+        self.offset -= offset
+        self.size -= 1
+        return rid, offset + self.step, finish - self.step, first_s
 
     def duration_s(self, num_steps: int) -> float:
         """Seconds for the next num_steps iterations at the current membership."""
@@ -81,20 +112,34 @@ class DecodeBatch:
         self.time_s = time_s
         done = []
         finish = self._finish
+        self._drop_stale()
         while finish and finish[0][0] <= self.step:
-            _, rid, offset = heapq.heappop(finish)
+            _, _, rid = heapq.heappop(finish)
+            offset, _, _, first_s = self._members.pop(rid)
             self.offset -= offset
             self.size -= 1
-            done.append((rid, self.first_token_s.pop(rid)))
+            done.append((rid, first_s))
+            self._drop_stale()
         return done
+
+    def _drop_stale(self) -> None:
+        """Pop heap entries of members preempted since they were pushed."""
+        finish, members = self._finish, self._members
+        while finish:
+            _, join, rid = finish[0]
+            member = members.get(rid)
+            if member is not None and member[2] == join:
+                return
+            heapq.heappop(finish)
 
 
 class DecodeRun:
     """Runs of decode steps of one batch on the event loop, each cut short on demand.
 
-    `start()` schedules the run up to the next finish; `cut_short()` moves its end to
-    the first iteration boundary at or after now (a newcomer is waiting); when a run
-    ends, `on_boundary(finished)` is called with the (rid, first token time) of the
+    `start(budget)` schedules the run up to the next finish or the last step that fits
+    budget tokens of KV; `cut_short()` moves its end to the first iteration boundary at
+    or after now (a newcomer is waiting); `limit(budget)` moves it earlier when a smaller
+    budget ends it sooner (memory promised elsewhere meanwhile); when a run ends, `on_boundary(finished)` is called with the (rid, first token time) of the
     requests that left, and decides what the lane does next.
     """
 
@@ -111,13 +156,33 @@ class DecodeRun:
         self.target_step = 0
         self.version = 0  # bumped to cancel a scheduled run end
 
-    def start(self) -> None:
-        """Step from now (the batch must not be empty) to the next finish."""
+    def start(self, budget_tokens: int) -> None:
+        """Step from now to the next finish or the last step within budget_tokens (the
+        batch must not be empty, and its next step must fit)."""
         batch = self.batch
         batch.time_s = self.loop.now
-        steps = batch.steps_to_next_finish()
+        steps = min(batch.steps_to_next_finish(), batch.steps_within(budget_tokens))
         self.is_cut = False
         self._end_at(batch.step + steps, batch.time_s + batch.duration_s(steps))
+
+    def limit(self, budget_tokens: int) -> None:
+        """End the run at the last step within budget_tokens, if that comes sooner (at
+        least at the first boundary at or after now)."""
+        if not self.is_stepping:
+            return
+        batch = self.batch
+        reached = batch.steps_by(self.loop.now - batch.time_s)
+        steps = max(reached, batch.steps_within(budget_tokens))
+        if batch.step + steps < self.target_step:
+            self._end_at(batch.step + steps, batch.time_s + batch.duration_s(steps))
+
+    def tokens_now(self) -> int:
+        """KV tokens the batch holds at its first boundary at or after now."""
+        batch = self.batch
+        if not self.is_stepping:
+            return batch.total_context()
+        reached = min(batch.steps_by(self.loop.now - batch.time_s), self.target_step - batch.step)
+        return batch.context_at(batch.step + reached)
 
     def cut_short(self) -> None:
         """End the current run at the first boundary at or after now."""

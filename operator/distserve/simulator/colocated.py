@@ -8,9 +8,12 @@ Two iteration policies on the same instance model, both with continuous batching
   `chunk_size` prompt tokens, FCFS, a prompt possibly spread over several iterations,
   and piggybacks one decode step of every running request on it.
 A new request goes to the instance with the shortest waiting queue. An instance with
-pp stages runs pp lanes (micro-batches) that share its KV memory. A request is
-admitted only when its final context fits (no preemption), as in the decode
-instances of the disaggregated simulator.
+pp stages runs pp lanes (micro-batches) that share its KV memory. KV grows with the
+sequences as on the engine's colocated instance (`distserve_engine.policy`): a waiting
+request is admitted when its prefill's tokens fit beside the running requests' next
+step, a prefill batch is filled by the engine's own function, and at a boundary whose
+next step does not fit, the most recently joined request is preempted to the front of
+its lane's queue, to be prefilled again (prompt and generated tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from distserve.simulator.batch import DecodeRun
 from distserve.simulator.events import EventLoop
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
 from distserve.simulator.timing import InstanceModel
+from distserve_engine import policy
 
 
 class _Instance:
@@ -29,26 +33,27 @@ class _Instance:
 
     def __init__(self, sim, inst: InstanceModel, max_batch: int, chunk_size: int | None):
         self.sim, self.inst, self.max_batch = sim, inst, max_batch
-        self.reserved_tokens = 0
-        self.count = 0
+        self.promised_tokens = 0  # admitted, not yet in a lane's batch (being prefilled)
+        self.count = 0  # admitted and not finished or preempted
         self.lanes = [_Lane(sim, self, chunk_size) for _ in range(inst.pp)]
 
     def waiting(self) -> int:
         return sum(len(lane.waiting) for lane in self.lanes)
 
+    def budget_tokens(self, lane: _Lane | None = None) -> int:
+        """KV tokens free for `lane`'s batch (for a newcomer when None)."""
+        others = sum(x.run.tokens_now() for x in self.lanes if x is not lane)
+        return self.inst.kv_capacity_tokens - self.promised_tokens - others
+
     def can_admit(self, rid: int) -> bool:
-        need = self.sim.prompt[rid] + self.sim.output[rid]
-        return (
-            self.count < self.max_batch
-            and self.reserved_tokens + need <= self.inst.kv_capacity_tokens
-        )
+        return policy.can_admit(self.count, self.max_batch, self.sim.held[rid],
+                                self.budget_tokens())
 
     def admit(self, rid: int) -> None:
-        self.reserved_tokens += self.sim.prompt[rid] + self.sim.output[rid]
+        self.promised_tokens += self.sim.held[rid]
         self.count += 1
 
     def release(self, rid: int, from_lane: _Lane) -> None:
-        self.reserved_tokens -= self.sim.prompt[rid] + self.sim.output[rid]
         self.count -= 1
         for lane in self.lanes:  # another lane idle for lack of memory may go on now
             if lane is not from_lane and lane.is_idle() and lane.waiting:
@@ -79,37 +84,48 @@ class _Lane:
     def boundary(self, finished: list[tuple[int, float]]) -> None:
         """Record what finished, then choose the next iteration."""
         now = self.sim.loop.now
+        sim, batch = self.sim, self.run.batch
         for rid, first_s in finished:
-            self.sim.rec.finish(rid, now, first_s)
+            sim.rec.finish(rid, now, first_s)
             self.instance.release(rid, self)
+        budget = self.instance.budget_tokens(self)
+        while batch.total_context() > budget:  # the next step does not fit: preempt
+            rid, held, steps_left, first_s = batch.preempt_newest()
+            sim.held[rid], sim.steps_left[rid], sim.first_token_s[rid] = held, steps_left, first_s
+            self.instance.count -= 1
+            self.waiting.appendleft(rid)
+            sim.rec.num_preemptions += 1
         if self.chunk_size is None:
             self._start_prefill(now)
         else:
             self._start_mixed(now)
-        if not self.is_busy and self.run.batch.size:
-            self.run.start()
+        if not self.is_busy and batch.size:
+            self.run.start(self.instance.budget_tokens(self))
 
     def _admit_waiting(self, budget_tokens: int) -> list[int]:
-        """Admit waiting prompts FCFS while memory, batch size and token budget allow."""
-        prompt, admitted, total = self.sim.prompt, [], 0
-        if budget_tokens <= 0:
-            return admitted
-        while self.waiting and self.instance.can_admit(self.waiting[0]):
-            tokens = prompt[self.waiting[0]]
-            if admitted and total + tokens > budget_tokens:
-                break
+        """Chunked: admit waiting prompts FCFS while memory and batch size allow, until
+        their tokens reach budget_tokens (the last one may spill into later chunks)."""
+        held, admitted, total = self.sim.held, [], 0
+        while budget_tokens > 0 and self.waiting and self.instance.can_admit(self.waiting[0]):
             rid = self.waiting.popleft()
             self.instance.admit(rid)
             admitted.append(rid)
-            total += tokens
+            total += held[rid]
             if total >= budget_tokens:
                 break
         return admitted
 
     def _start_prefill(self, now: float) -> None:
-        rids = self._admit_waiting(self.sim.max_batch_tokens)
+        """vLLM-style: a prefill batch of the waiting head, filled as the engine fills it."""
+        held, instance = self.sim.held, self.instance
+        count = policy.num_prefill_batch(
+            ((held[r], held[r]) for r in self.waiting), self.sim.max_batch_tokens,
+            instance.budget_tokens(), instance.max_batch - instance.count)
+        rids = [self.waiting.popleft() for _ in range(count)]
+        for rid in rids:
+            instance.admit(rid)
         if rids:
-            seconds = self.timer.prefill_iteration_s(tuple(self.sim.prompt[r] for r in rids))
+            seconds = self.timer.prefill_iteration_s(tuple(held[r] for r in rids))
             self.is_busy = True
             self.sim.loop.at(now + seconds, self._prefill_end, rids)
 
@@ -121,7 +137,7 @@ class _Lane:
 
     def _start_mixed(self, now: float) -> None:
         budget = self.chunk_size
-        in_progress = sum(self.sim.prompt[rid] - done for rid, done in self.prefilling)
+        in_progress = sum(self.sim.held[rid] - done for rid, done in self.prefilling)
         for rid in self._admit_waiting(budget - in_progress):
             self.prefilling.append([rid, 0])
         chunks, completed = [], []
@@ -129,15 +145,15 @@ class _Lane:
             if budget <= 0:
                 break
             rid, done = entry
-            take = min(budget, self.sim.prompt[rid] - done)
+            take = min(budget, self.sim.held[rid] - done)
             chunks.append((take, done))
             entry[1] += take
             budget -= take
-            if entry[1] == self.sim.prompt[rid]:
+            if entry[1] == self.sim.held[rid]:
                 completed.append(rid)
         if not chunks:
             return
-        self.prefilling = [e for e in self.prefilling if e[1] < self.sim.prompt[e[0]]]
+        self.prefilling = [e for e in self.prefilling if e[1] < self.sim.held[e[0]]]
         batch = self.run.batch
         seconds = self.timer.mixed_iteration_s(chunks, batch.size, batch.total_context())
         self.is_busy = True
@@ -150,14 +166,22 @@ class _Lane:
         self.boundary(finished)
 
     def _first_tokens(self, rids: list[int]) -> None:
+        """Prefills ended: each request has its first token (or, recomputed after a
+        preemption, its next one) and joins the batch unless that was its last."""
         sim, now, batch = self.sim, self.sim.loop.now, self.run.batch
         for rid in rids:
-            sim.rec.first_token(rid, now)
-            if sim.output[rid] == 1:
-                sim.rec.finish(rid, now, now)
+            self.instance.promised_tokens -= sim.held[rid]
+            if sim.first_token_s[rid] < 0:
+                sim.rec.first_token(rid, now)
+                sim.first_token_s[rid] = now
+                steps_left = sim.output[rid] - 1
+            else:
+                steps_left = sim.steps_left[rid] - 1
+            if steps_left == 0:
+                sim.rec.finish(rid, now, sim.first_token_s[rid])
                 self.instance.release(rid, self)
             else:
-                batch.add(rid, sim.prompt[rid] + 1, sim.output[rid] - 1, now)
+                batch.add(rid, sim.held[rid] + 1, steps_left, sim.first_token_s[rid])
 
 
 class _Sim:
@@ -166,6 +190,9 @@ class _Sim:
         self.rec = Recorder(trace, slo, self.loop)
         self.prompt = trace.prompt_tokens.tolist()
         self.output = trace.output_tokens.tolist()
+        self.held = list(self.prompt)  # tokens a request's next prefill computes
+        self.steps_left = [0] * trace.num_requests  # decode steps a preempted one still has
+        self.first_token_s = [-1.0] * trace.num_requests  # -1: no first token yet
         self.max_batch_tokens = max_batch_tokens
         self.instances: list[_Instance] = []
 

@@ -6,19 +6,26 @@ Decisions modelled (paper section 4.3):
 - a prefill instance runs FCFS batches filled up to Lm prompt tokens (a longer prompt
   runs alone); a batch walks through the pipeline stages, waiting where a stage is
   still busy with the previous batch, so unequal batches leave bubbles;
-- a prefilled request keeps its KV in the prefill instance's memory and is handed to
-  the least loaded decode instance among those on the fastest link from its prefill
-  instance (all of them when the links are equal), which pulls it (FCFS) once it has
-  room for the request's whole context; prefill stops forming batches while its
-  memory is full;
+- a prefilled request keeps its KV in the prefill instance's memory and is handed to a
+  decode instance as the router does (`distserve_engine.policy`): the least loaded
+  (requests sent and not finished, then KV usage) among those with room on the fastest
+  link from its prefill instance, else with room anywhere, else any; the decode
+  instance pulls it (FCFS) once it has room for its prompt and first token beside the
+  running requests' next step; prefill stops forming batches while its memory is full;
+- KV grows with the sequences; at a boundary whose next step does not fit, the most
+  recently joined request is preempted and queued first, to be prefilled again on that
+  decode instance (its prompt and generated tokens) when it fits; that prefill stalls
+  its lane and yields its next token (counted in `SimResult.num_preemptions`);
 - a decode instance with pp stages runs pp lanes (micro-batches) in turn, each a
   continuous batch; a new request joins the least loaded lane at its next boundary.
-NOTE: decode admits a request only when its final context (prompt + output) fits, so
-no preemption is needed or modelled. Preferring the fastest link is what keeps the KV
-of replicated Algorithm 2 units on their node (the paper's premise): with least-loaded
-dispatch over all decode instances, half the KV of two replicas would cross the
-network and the pair would serve less than one replica. KV pulls into one decode instance go one at a
-time over the link between the two instances.
+NOTE: memory is counted in tokens (the engine counts blocks: the two agree at block
+size 1, and within a block per request otherwise). A lane's run is bounded by the memory
+left beside the other lanes as they stand at its start; they see each other's growth at
+their next boundary. Preferring the fastest link is what keeps the KV of replicated
+Algorithm 2 units on their node (the paper's premise): with least-loaded dispatch over
+all decode instances, half the KV of two replicas would cross the network and the pair
+would serve less than one replica. KV pulls into one decode instance go one at a time
+over the link between the two instances.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ from distserve.simulator.batch import DecodeRun
 from distserve.simulator.events import EventLoop
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
 from distserve.simulator.timing import InstanceModel
+from distserve_engine import policy
+
+RECOMPUTE = -2  # in a decode instance's queue: a preempted request, to prefill again there
 
 
 @dataclass(frozen=True)
@@ -56,9 +66,11 @@ class _Sim:
         self.prompt = trace.prompt_tokens.tolist()
         self.output = trace.output_tokens.tolist()
         self.first_token_s = [0.0] * trace.num_requests
+        self.held = [0] * trace.num_requests  # tokens a preempted request holds (recomputed)
+        self.steps_left = [0] * trace.num_requests  # decode steps a preempted one still has
         self.prefills: list[_Prefill] = []
         self.decodes: list[_Decode] = []
-        self.nearest_decodes: list[list[_Decode]] = []  # per prefill: on its fastest link
+        self.nearest_decodes: list[set[int]] = []  # per prefill: decodes on its fastest link
         self.is_prefill_only = False
 
     def arrive(self, rid: int) -> None:
@@ -83,9 +95,14 @@ class _Sim:
             self.hand_to_decode(rid, prefill.idx)
 
     def hand_to_decode(self, rid: int, prefill_idx: int) -> None:
-        decodes = self.nearest_decodes[prefill_idx] if prefill_idx >= 0 else self.decodes
+        """The router's `pick_decode`: least loaded with room near the prefill, else with
+        room anywhere, else any."""
+        decodes = self.decodes
         if len(decodes) > 1:
-            decodes = [min(decodes, key=lambda d: d.count + len(d.pending))]
+            roomy = [d for d in decodes if d.has_room()]
+            near = self.nearest_decodes[prefill_idx] if prefill_idx >= 0 else None
+            local = [d for d in roomy if near is None or d.idx in near]
+            decodes = [min(local or roomy or decodes, key=lambda d: (d.load(), d.kv_usage()))]
         decodes[0].offer(rid, prefill_idx)
 
 
@@ -124,13 +141,10 @@ class _Prefill:
             return
         prompt, queue = self.sim.prompt, self.queue
         room = self.inst.kv_capacity_tokens - self.held_tokens
-        rids, total = [], 0
-        while queue:
-            tokens = prompt[queue[0]]
-            if (rids and total + tokens > self.max_tokens) or total + tokens > room:
-                break
-            rids.append(queue.popleft())
-            total += tokens
+        count = policy.num_prefill_batch(
+            ((prompt[r], prompt[r]) for r in queue), self.max_tokens, room, len(queue))
+        rids = [queue.popleft() for _ in range(count)]
+        total = sum(prompt[r] for r in rids)
         if not rids:
             return  # memory full: a pull's release() retries
         self.held_tokens += total
@@ -151,13 +165,13 @@ class _Prefill:
 
 
 class _Decode:
-    """One decode instance: FCFS pulls bounded by KV capacity and batch size, pp lanes."""
+    """One decode instance: FCFS admission by batch size and free KV, pp lanes."""
 
     def __init__(self, sim, idx, inst: InstanceModel, max_batch, transfer, prefill_pps) -> None:
         self.sim, self.idx, self.inst, self.max_batch = sim, idx, inst, max_batch
-        self.pending: deque[tuple[int, int]] = deque()  # (rid, prefill idx) not yet pulled
-        self.reserved_tokens = 0
-        self.count = 0  # pulled and not finished
+        self.pending: deque[tuple[int, int]] = deque()  # (rid, prefill idx or RECOMPUTE)
+        self.promised_tokens = 0  # admitted, not yet in a lane's batch
+        self.count = 0  # admitted and not finished or preempted
         self.link_free_s = 0.0
         self.lanes = [_Lane(sim, self) for _ in range(inst.pp)]
         self.s_per_token = [
@@ -165,36 +179,62 @@ class _Decode:
             for p, pp in enumerate(prefill_pps)
         ]
 
+    def load(self) -> int:
+        """Requests sent here and not finished (the router's count)."""
+        return self.count + len(self.pending)
+
+    def budget_tokens(self, lane: _Lane | None = None) -> int:
+        """KV tokens free for `lane`'s batch (for a newcomer when None)."""
+        others = sum(x.run.tokens_now() for x in self.lanes if x is not lane)
+        return self.inst.kv_capacity_tokens - self.promised_tokens - others
+
+    def kv_usage(self) -> float:
+        """Share of KV held or promised, as the instance reports it."""
+        return 1.0 - self.budget_tokens() / max(1, self.inst.kv_capacity_tokens)
+
+    def has_room(self) -> bool:
+        return policy.has_decode_room(self.load(), self.kv_usage(), self.max_batch)
+
     def offer(self, rid: int, prefill_idx: int) -> None:
         self.pending.append((rid, prefill_idx))
-        self.try_pull()
+        self.try_admit()
 
-    def try_pull(self) -> None:
-        sim, pending = self.sim, self.pending
+    def try_admit(self) -> None:
+        """Admit the head of the queue while it fits: start its pull, or hand it to a
+        lane to prefill again (a preempted request)."""
+        sim, pending, is_admitted = self.sim, self.pending, False
         while pending:
             rid, p = pending[0]
-            need = sim.prompt[rid] + sim.output[rid]
-            if self.count >= self.max_batch or self.reserved_tokens + need > self.inst.kv_capacity_tokens:
-                return
+            need = sim.held[rid] if p == RECOMPUTE else sim.prompt[rid] + 1
+            if not policy.can_admit(self.count, self.max_batch, need, self.budget_tokens()):
+                break
             pending.popleft()
-            self.reserved_tokens += need
             self.count += 1
+            self.promised_tokens += need
+            is_admitted = True
+            if p == RECOMPUTE:
+                self._least_loaded_lane().recompute(rid)
+                continue
             seconds = sim.prompt[rid] * self.s_per_token[p] if p >= 0 else 0.0
             self.link_free_s = max(sim.loop.now, self.link_free_s) + seconds
             sim.loop.at(self.link_free_s, self._arrived, rid, p)
+        if is_admitted:
+            for lane in self.lanes:  # the promise may end a running lane's run sooner
+                lane.run.limit(self.budget_tokens(lane))
+
+    def _least_loaded_lane(self) -> _Lane:
+        lanes = self.lanes
+        return lanes[0] if len(lanes) == 1 else min(lanes, key=lambda lane: lane.load())
 
     def _arrived(self, rid: int, p: int) -> None:
         if p >= 0:
             self.sim.prefills[p].release(self.sim.prompt[rid])
-        lanes = self.lanes
-        if len(lanes) > 1:
-            lanes = [min(lanes, key=lambda lane: lane.load())]
-        lanes[0].join(rid)
+        self._least_loaded_lane().join(rid)
 
-    def finished(self, rid: int) -> None:
-        self.reserved_tokens -= self.sim.prompt[rid] + self.sim.output[rid]
+    def preempted(self, rid: int) -> None:
         self.count -= 1
-        self.try_pull()
+        self.pending.appendleft((rid, RECOMPUTE))
+        self.sim.rec.num_preemptions += 1
 
 
 class _Lane:
@@ -203,29 +243,71 @@ class _Lane:
     def __init__(self, sim: _Sim, decode: _Decode) -> None:
         self.sim, self.decode = sim, decode
         self.run = DecodeRun(sim.loop, decode.inst.timer, self._boundary)
-        self.joining: list[int] = []
+        self.joining: list[int] = []  # pulled, join at the next boundary
+        self.recomputing: list[int] = []  # preempted and admitted again, prefill next
+        self.is_busy = False  # a recompute prefill is running
+        self.is_deciding = False  # inside _boundary
 
     def load(self) -> int:
-        return self.run.batch.size + len(self.joining)
+        return self.run.batch.size + len(self.joining) + len(self.recomputing)
 
     def join(self, rid: int) -> None:
         self.joining.append(rid)
+        self._wake()
+
+    def recompute(self, rid: int) -> None:
+        self.recomputing.append(rid)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.is_busy or self.is_deciding:
+            return
         if self.run.is_stepping:
-            self.run.cut_short()  # the newcomer joins at the next iteration boundary
+            self.run.cut_short()  # the newcomer is taken at the next iteration boundary
         else:
             self._boundary([])
 
     def _boundary(self, finished: list[tuple[int, float]]) -> None:
-        sim, batch = self.sim, self.run.batch
+        sim, decode, batch = self.sim, self.decode, self.run.batch
         now = sim.loop.now
+        self.is_deciding = True
         for rid, first_s in finished:
             sim.rec.finish(rid, now, first_s)
-            self.decode.finished(rid)
+            decode.count -= 1
         for rid in self.joining:
             batch.add(rid, sim.prompt[rid] + 1, sim.output[rid] - 1, sim.first_token_s[rid])
+            decode.promised_tokens -= sim.prompt[rid] + 1
         self.joining.clear()
-        if batch.size:
-            self.run.start()
+        budget = decode.budget_tokens(self)
+        while batch.total_context() > budget:  # the next step does not fit: preempt
+            rid, held, steps_left, first_s = batch.preempt_newest()
+            sim.held[rid], sim.steps_left[rid], sim.first_token_s[rid] = held, steps_left, first_s
+            decode.preempted(rid)
+        decode.try_admit()
+        self.is_deciding = False
+        if self.recomputing:
+            rids, self.recomputing = self.recomputing, []
+            self.is_busy = True
+            seconds = decode.inst.timer.prefill_iteration_s(tuple(sim.held[r] for r in rids))
+            sim.loop.at(now + seconds, self._recomputed, rids)
+        elif batch.size:
+            self.run.start(decode.budget_tokens(self))
+
+    def _recomputed(self, rids: list[int]) -> None:
+        """The prefill of preempted requests ended: each has its next token."""
+        sim, decode, batch = self.sim, self.decode, self.run.batch
+        now = sim.loop.now
+        self.is_busy = False
+        batch.time_s = now  # the batch stood still meanwhile
+        for rid in rids:
+            decode.promised_tokens -= sim.held[rid]
+            steps_left = sim.steps_left[rid] - 1
+            if steps_left == 0:
+                sim.rec.finish(rid, now, sim.first_token_s[rid])
+                decode.count -= 1
+            else:
+                batch.add(rid, sim.held[rid] + 1, steps_left, sim.first_token_s[rid])
+        self._boundary([])
 
 
 def simulate_disaggregated(
@@ -253,7 +335,7 @@ def simulate_disaggregated(
     sim.is_prefill_only = not decode
     for p in range(len(sim.prefills)):
         fastest = min((d.s_per_token[p] for d in sim.decodes), default=0.0)
-        sim.nearest_decodes.append([d for d in sim.decodes if d.s_per_token[p] == fastest])
+        sim.nearest_decodes.append({d.idx for d in sim.decodes if d.s_per_token[p] == fastest})
     sim.loop.arrivals(trace.arrival_s.tolist(), sim.arrive)
     sim.loop.run()
     return sim.rec.result()

@@ -67,6 +67,7 @@ class SimResult:
     tpot_s: np.ndarray  # (N,)
     is_stopped_early: bool  # the trial ended once the SLO target was out of reach
     duration_s: float  # simulated time until the last event
+    num_preemptions: int = 0  # decode requests preempted for lack of KV (recomputed)
 
     def attainment(self, slo: SLO) -> float:
         """Share of requests meeting the SLOs under slo.rule (unfinished ones fail)."""
@@ -104,6 +105,7 @@ class Recorder:
         self._ttft_failed = 0
         self._tpot_failed = 0
         self._ttft_ok = [True] * n
+        self.num_preemptions = 0  # the simulators count here
 
     def first_token(self, rid: int, time_s: float) -> None:
         """Request rid produced its first token at time_s."""
@@ -141,4 +143,5 @@ class Recorder:
             np.array(self.tpot_s, dtype=float),
             self._loop.is_stopped,
             self._loop.now,
+            self.num_preemptions,
         )
