@@ -6,8 +6,9 @@ serves until Ctrl-C (SIGINT, also when a shell started it in the background, whe
 comes ignored) or SIGTERM, which stop everything it started. `--demo` instead drives about
 a minute of the spec's workload (at `--rate`, else `workload.rateRps`, else the planner's
 goodput) with a progress bar,
-prints TTFT/TPOT percentiles, SLO attainment and goodput beside the planner's
-prediction, and stops. `--colocated N` runs N colocated instances (the baseline).
+prints TTFT/TPOT percentiles, SLO attainment and goodput beside the simulator's
+prediction for the same requests (lengths and arrival times) on the same instances,
+and stops. `--colocated N` runs N colocated instances (the baseline).
 
 The planner predicts with this machine's latency profile: on the CPU, the first run on a
 machine measures it (a minute or more, with progress lines) and caches it; later runs
@@ -177,7 +178,8 @@ def _choose_profile(args, spec, model_path: str):
 
 
 def _demo(args, spec, plan, launcher, source) -> int:
-    """About a minute of the spec's workload; the report beside the planner's prediction."""
+    """About a minute of the spec's workload; the report beside the simulator's prediction
+    for the same requests on the same instances."""
     from distserve.local.load import drive
     from distserve.local.report import format_summary, summarize
     from distserve.workload import make_workload
@@ -193,10 +195,25 @@ def _demo(args, spec, plan, launcher, source) -> int:
          f"SLOs TTFT <= {spec.slo.ttft_seconds} s, TPOT <= {spec.slo.tpot_seconds} s")
     outcomes = asyncio.run(drive(launcher.url, spec.model.name, requests, seed=spec.planner.seed))
     summary = summarize(outcomes, rate_rps, spec.slo.ttft_seconds, spec.slo.tpot_seconds)
-    print(format_summary(summary, plan, spec.slo.attainment))
-    if plan is not None:
+    predicted = _predicted(spec, launcher.settings, requests, rate_rps)
+    print(format_summary(summary, plan, spec.slo.attainment, predicted))
+    if predicted is not None:
         print(f"  predicted with profile {source.describe()}")
     return 0
+
+
+def _predicted(spec, settings: dict, requests, rate_rps: float):
+    """The simulator's RunSummary for these requests on the settings' instances, or None
+    (said why) when the planner cannot model the spec."""
+    from distserve.local.prediction import LocalShape, engine_context, predict_run
+    from distserve.search import build_context
+
+    try:
+        ctx = engine_context(build_context(spec), settings)
+        return predict_run(ctx, LocalShape.from_settings(settings), requests, rate_rps)
+    except ValueError as err:
+        _log(f"demo: no simulated figures ({err})")
+        return None
 
 
 def _add_replan_arguments(parser) -> None:

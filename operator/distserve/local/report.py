@@ -46,23 +46,28 @@ def summarize(outcomes: list[Outcome], rate_rps: float, ttft_slo_s: float,
     )
 
 
-def format_summary(s: RunSummary, plan: Plan | None, target: float) -> str:
-    """Measured figures, with the planner's prediction beside them when there is one."""
-    lat = plan.latency if plan else None
+def format_summary(s: RunSummary, plan: Plan | None, target: float,
+                   predicted: RunSummary | None = None) -> str:
+    """Measured figures; beside them the simulator's for the same requests (predicted)
+    when given, and the planner's goodput when there is a plan."""
+    def sim(text: str) -> str:
+        return f"   (simulated: {text})" if predicted is not None else ""
 
-    def pred(value: float | None, fmt: str) -> str:
-        return f"   (planner: {value:{fmt}})" if value is not None else ""
-
+    p = predicted
     lines = [
-        f"  rate        {s.rate_rps:.2f} req/s, {s.num_requests} requests, {s.num_errors} errors",
-        f"  TTFT        p50 {s.ttft_p_s[50]:.3f} s  p90 {s.ttft_p_s[90]:.3f} s  p99 {s.ttft_p_s[99]:.3f} s"
-        + pred(lat.ttft_p90_s if lat else None, ".3f") .replace("planner:", "planner p90:"),
-        f"  TPOT        p50 {s.tpot_p_s[50]:.4f} s p90 {s.tpot_p_s[90]:.4f} s p99 {s.tpot_p_s[99]:.4f} s"
-        + pred(lat.tpot_p90_s if lat else None, ".4f").replace("planner:", "planner p90:"),
+        f"  rate        {s.rate_rps:.2f} req/s, {s.num_requests} requests, {s.num_errors} errors"
+        + sim("the same requests at the same times"),
+        f"  TTFT        {_percentiles(s.ttft_p_s, '.3f')}" + (sim(_percentiles(p.ttft_p_s, '.3f')) if p else ""),
+        f"  TPOT        {_percentiles(s.tpot_p_s, '.4f')}" + (sim(_percentiles(p.tpot_p_s, '.4f')) if p else ""),
         f"  attainment  {s.attainment:.1%} of requests met both SLOs (target {target:.0%})"
-        + pred(plan.attainment if plan else None, ".1%"),
+        + (sim(f"{p.attainment:.1%}") if p else ""),
         f"  goodput     {s.slo_goodput_rps:.2f} req/s within SLO at this rate; "
         f"{'meets' if s.attainment >= target else 'misses'} the target"
+        + (sim(f"{p.slo_goodput_rps:.2f} req/s") if p else "")
         + (f"   (planner goodput: {plan.goodput_rps:.2f} req/s)" if plan else ""),
     ]
     return "\n".join(lines)
+
+
+def _percentiles(p_s: dict[int, float], fmt: str) -> str:
+    return "  ".join(f"p{q} {p_s[q]:{fmt}} s" for q in (50, 90, 99))

@@ -156,12 +156,19 @@ def run_unit(
     ctx: SearchContext, unit: Unit | Instances, rate_rps: float, slo: SLO | None
 ) -> SimResult:
     """One trial of a disaggregated unit (an empty side simulates the other phase alone)."""
+    return simulate_unit(ctx, unit, ctx.trial_trace(rate_rps), slo)
+
+
+def simulate_unit(
+    ctx: SearchContext, unit: Unit | Instances, trace: Trace, slo: SLO | None = None
+) -> SimResult:
+    """The unit's instances serving these requests (their lengths and arrival times)."""
     every = unit.instances()
     prefill = [instance_model(ctx, "disaggregated", c) for c in every.prefill]
     decode = [instance_model(ctx, "disaggregated", c) for c in every.decode]
     kv_bytes = get_model(ctx.model).kv_bytes_per_token
     return simulate_disaggregated(
-        ctx.trial_trace(rate_rps), prefill, decode,
+        trace, prefill, decode,
         transfer=TransferModel(kv_bytes, every.link_bytes_per_s), slo=slo,
         max_prefill_tokens=[prefill_tokens(ctx, c) for c in every.prefill],
         max_decode_batch=ctx.max_decode_batch,
@@ -172,11 +179,20 @@ def run_baseline(
     ctx: SearchContext, name: str, config: Config, instances: int, rate_rps: float, slo: SLO | None
 ) -> SimResult:
     """One trial of `instances` colocated instances: "colocated" or "chunked_prefill"."""
+    return simulate_baseline(ctx, name, config, instances, ctx.trial_trace(rate_rps), slo)
+
+
+def simulate_baseline(
+    ctx: SearchContext, name: str, config: Config, instances: int, trace: Trace,
+    slo: SLO | None = None, max_batch_tokens: int | None = None,
+) -> SimResult:
+    """`instances` colocated instances serving these requests; max_batch_tokens: a
+    prefill iteration's token budget (default: 2048, or Lm where larger)."""
     model = instance_model(ctx, "colocated", config)
     return simulate_colocated(
-        ctx.trial_trace(rate_rps), [model] * instances, slo=slo,
+        trace, [model] * instances, slo=slo,
         chunk_size=ctx.chunk_size if name == "chunked_prefill" else None,
-        max_batch_tokens=max(2048, prefill_tokens(ctx, config)),
+        max_batch_tokens=max_batch_tokens or max(2048, prefill_tokens(ctx, config)),
         max_batch=ctx.max_decode_batch,
     )
 

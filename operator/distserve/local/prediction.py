@@ -1,0 +1,121 @@
+"""The simulator's prediction for one local load run: the same requests on the same instances.
+
+`distserve up --demo` and `distserve fidelity` measure a deployment on this machine. To
+hold the simulator to what they measured, it replays exactly what they sent (every
+request's prompt and output length and its arrival time) on the deployment's instances
+(a prefill and decode count, or N colocated) with the engine's limits as the settings
+give them (Lm, decode batch size), timed by the latency profile the planner used.
+NOTE: a colocated instance of the engine prefills up to Lm tokens per iteration, so the
+simulated one is given that budget (the planner's baselines assume a larger one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from distserve.local.report import RunSummary
+from distserve.search.goodput import find_goodput
+from distserve.search.trials import SearchContext, Unit, simulate_baseline, simulate_unit
+from distserve.simulator import SLO, SimResult, Trace
+from distserve.workload import Request
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class LocalShape:
+    """The instances of a local deployment, as its settings name them."""
+
+    instances: dict[str, int]  # role -> count: prefill and decode, or colocated
+    parallel: dict[str, dict[str, int]]  # role -> {"tp": .., "pp": ..}
+
+    @property
+    def is_colocated(self) -> bool:
+        """Colocated instances (the baseline) rather than prefill and decode ones."""
+        return "colocated" in self.instances
+
+    def describe(self) -> str:
+        """e.g. "1 prefill + 1 decode" or "2 colocated"."""
+        return " + ".join(f"{count} {role}" for role, count in self.instances.items())
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any]) -> LocalShape:
+        """The shape of a `serve.json` document (`distserve.local.settings`)."""
+        return cls(dict(settings["instances"]), dict(settings.get("parallel") or {}))
+
+
+def engine_context(ctx: SearchContext, settings: dict[str, Any]) -> SearchContext:
+    """The planner's context with the engine's limits from the serving settings."""
+    return dataclasses.replace(ctx, max_prefill_tokens=settings["max_prefill_tokens"],
+                               max_decode_batch=settings["max_decode_batch"])
+
+
+def simulate_shape(ctx: SearchContext, shape: LocalShape, trace: Trace,
+                   slo: SLO | None = None) -> SimResult:
+    """The shape's instances serving the trace in the simulator (slo: stop once lost)."""
+    def config(role: str):
+        p = shape.parallel.get(role, {})
+        return p.get("tp", 1), p.get("pp", 1)
+
+    if shape.is_colocated:
+        return simulate_baseline(ctx, "colocated", config("colocated"),
+                                 shape.instances["colocated"], trace, slo,
+                                 max_batch_tokens=ctx.max_prefill_tokens)
+    unit = Unit(config("prefill"), config("decode"), shape.instances["prefill"],
+                shape.instances["decode"], ctx.intra_node_bytes_per_s)
+    return simulate_unit(ctx, unit, trace, slo)
+
+
+def trace_of(requests: Sequence[Request]) -> Trace:
+    """The requests as the simulator's columns (ordered by arrival)."""
+    return Trace.from_requests(requests)
+
+
+def requests_of(trace: Trace) -> list[Request]:
+    """The trace's requests, to send (ids in arrival order)."""
+    return [Request(i, float(a), int(p), int(o)) for i, (a, p, o) in
+            enumerate(zip(trace.arrival_s, trace.prompt_tokens, trace.output_tokens, strict=True))]
+
+
+def predicted_summary(result: SimResult, trace: Trace, rate_rps: float, ttft_slo_s: float,
+                      tpot_slo_s: float) -> RunSummary:
+    """The simulated run in the figures of a measured one (`report.summarize`): attainment
+    of both SLOs over every request, TPOT percentiles over requests of 2+ tokens."""
+    ttfts = result.ttft_s[~np.isnan(result.ttft_s)]
+    multi = (trace.output_tokens > 1) & ~np.isnan(result.tpot_s)
+    tpots = result.tpot_s[multi]
+
+    def pct(values: np.ndarray) -> dict[int, float]:
+        return {p: float(np.percentile(values, p)) if values.size else math.nan
+                for p in PERCENTILES}
+
+    return RunSummary(
+        rate_rps=rate_rps, num_requests=trace.num_requests,
+        num_errors=int(np.isnan(result.ttft_s).sum()),
+        attainment=result.attainment(SLO(ttft_slo_s, tpot_slo_s, 1.0, "both")),
+        ttft_p_s=pct(ttfts), tpot_p_s=pct(tpots),
+    )
+
+
+def predict_run(ctx: SearchContext, shape: LocalShape, requests: Sequence[Request],
+                rate_rps: float) -> RunSummary:
+    """The simulator's figures for these requests on this shape (SLOs from ctx)."""
+    trace = trace_of(requests)
+    result = simulate_shape(ctx, shape, trace)
+    return predicted_summary(result, trace, rate_rps, ctx.slo.ttft_s, ctx.slo.tpot_s)
+
+
+def predicted_knee_rps(ctx: SearchContext, shape: LocalShape, trace_at_1rps: Trace,
+                       estimate_rps: float) -> float:
+    """The highest rate at which the simulated shape still meets the SLO target on this
+    trace (its arrivals scaled to the rate): where attainment starts to fall."""
+    goodput = find_goodput(
+        lambda rate, slo: simulate_shape(ctx, shape, trace_at_1rps.at_rate(rate), slo),
+        ctx.slo, estimate_rps)
+    return goodput.rate_rps
