@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import kubernetes_validate
 from k8s_factories import NODES, make_owner, make_plan, make_revision, make_spec
 
 from distserve.k8s import naming, router, workers
@@ -203,3 +204,19 @@ def test_router_service_is_the_openai_endpoint():
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[2:4] == ["--role", "router"]
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_router_reads_its_api_keys_from_the_named_secret_only():
+    owner = make_owner()
+    spec = make_spec(router={"apiKeySecret": {"name": "llm-api-keys", "key": "keys"}})
+    deployment = router.build_router_deployment_spec(owner, spec, router.build_router_config(owner, spec, []))
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert [e for e in env if e["name"] == "DISTSERVE_API_KEY"] == [{
+        "name": "DISTSERVE_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "llm-api-keys", "key": "keys"}}}]
+    kubernetes_validate.validate(deployment, "1.30.0", strict=True)
+    open_spec = make_spec()
+    deployment = router.build_router_deployment_spec(owner, open_spec,
+                                                     router.build_router_config(owner, open_spec, []))
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert "DISTSERVE_API_KEY" not in {e["name"] for e in env}

@@ -55,6 +55,10 @@ def test_chart_lints_clean():
      ["Deployment", "Role", "RoleBinding", "ServiceAccount"]),
     ({"serviceAccount": {"create": False, "name": "existing"}, "nodeSelector": {"pool": "cpu"}},
      ["ClusterRole", "ClusterRoleBinding", "Deployment"]),
+    ({"networkPolicy": {"enabled": False}},
+     ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]),
+    ({"networkPolicy": {"apiFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}], "metricsFrom": []}},
+     ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]),
 ])
 def test_every_rendered_manifest_is_valid_kubernetes(values, expected):
     docs = render(values)
@@ -77,7 +81,11 @@ def test_values_schema_refuses_bad_values():
         for bad in ({"image": {"repository": "x", "pullPolicy": "Sometimes"}},
                     {"operator": {"drainSeconds": -1}},
                     {"watchNamespaces": ["Not_A_Namespace"]},
-                    {"replicas": 3}):
+                    {"replicas": 3},
+                    {"networkPolicy": {"enabled": "yes"}},
+                    {"networkPolicy": {"metricsFrom": [{"podSelecter": {}}]}},
+                    {"networkPolicy": {"apiFrom": [{}]}},
+                    {"networkPolicy": {"apiFrom": [{"ipBlock": {"except": ["10.0.0.0/8"]}}]}}):
             with pytest.raises(helm.HelmValuesError):
                 chart.validate_schema(bad)
 

@@ -41,6 +41,16 @@ EVERY_OPTION = {
         "gangScheduling": {"enabled": True, "schedulerName": "coscheduler",
                            "scheduleTimeoutSeconds": 300},
     },
+    "router": {"apiKeySecret": {"name": "llm-api-keys", "key": "keys"}},
+    "networkPolicy": {
+        "enabled": True,
+        "apiFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}},
+                     "podSelector": {"matchExpressions": [
+                         {"key": "app", "operator": "In", "values": ["envoy"]}]}},
+                    {"ipBlock": {"cidr": "10.20.0.0/16", "except": ["10.20.9.0/24"]}}],
+        "metricsFrom": [{"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": "monitoring"}}}],
+    },
 }
 
 
@@ -75,9 +85,25 @@ def test_the_cluster_example_names_where_its_weights_come_from():
 def test_a_resource_with_every_pod_option_is_accepted():
     doc = manifest(EVERY_OPTION)
     assert crd_errors(doc) == []
-    engine = specs.parse_manifest(doc).spec.engine
+    spec = specs.parse_manifest(doc).spec
+    engine = spec.engine
     assert engine.options_for("prefill").priority_class_name == "inference-high"
     assert engine.options_for("decode").resources.requests == {"cpu": 4, "memory": "64Gi"}
+    assert spec.router.api_key_secret.key == "keys"
+    assert spec.network_policy.api_from[1].ip_block.except_ == ["10.20.9.0/24"]
+
+
+@pytest.mark.parametrize(("peer", "says"), [
+    ({}, "set podSelector, namespaceSelector or ipBlock"),
+    ({"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}, "ipBlock cannot be combined"),
+    ({"ipBlock": {"cidr": "10.0.0.0/33"}}, "cidr"),
+    ({"podSelector": {"matchExpressions": [{"key": "app", "operator": "In"}]}}, "values"),
+])
+def test_a_peer_the_api_server_would_refuse_is_refused_naming_it(peer, says):
+    doc = manifest({**EVERY_OPTION, "networkPolicy": {"apiFrom": [peer]}})
+    with pytest.raises(specs.SpecError, match="spec.networkPolicy.apiFrom.0") as caught:
+        specs.parse_manifest(doc)
+    assert says in str(caught.value)
 
 
 @pytest.mark.parametrize(("where", "value"), [
@@ -86,6 +112,10 @@ def test_a_resource_with_every_pod_option_is_accepted():
     (("engine", "prefill", "nodeSelector"), {"pool": 1}),
     (("engine", "gangScheduling", "enabled"), "maybe"),
     (("model", "source", "huggingFace", "revision"), 7),
+    (("router", "apiKeySecret", "name"), "Not_A_Secret"),
+    (("networkPolicy", "enabled"), "maybe"),
+    (("networkPolicy", "apiFrom", 0, "podSelector", "matchExpressions", 0, "operator"), "Near"),
+    (("networkPolicy", "metricsFrom"), {"namespaceSelector": {}}),
 ])
 def test_the_crd_refuses_a_wrong_type_naming_the_field(where, value):
     doc = manifest(copy.deepcopy(EVERY_OPTION))

@@ -70,6 +70,12 @@ async def test_apply_change_slo_and_delete(kmock):
             naming.ROLE_LABEL: "router"})] == ["opt"]
         router = await api.get("ConfigMap", NAMESPACE, "opt-router")  # its metrics name the plan
         assert json.loads(router["data"]["serve.json"])["plan"]["id"] == first_plan
+        policies = {p["metadata"]["name"]: p for p in await owned(api, "NetworkPolicy", "opt")}
+        assert sorted(policies) == ["opt-instances", "opt-router"]
+        assert policies["opt-router"]["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}]
+        creates = [r.resource.plural for r in list(kmock) if r.method == "POST" and r.resource is not None
+                   and r.resource.plural in ("networkpolicies", "pods")]
+        assert creates[:2] == ["networkpolicies", "networkpolicies"]  # no pod is ever unguarded
 
         await play_kubelet(api, "opt")
         status = await wait_for(lambda: _phase(api, "opt", "Ready"), what="Ready")
@@ -178,7 +184,7 @@ async def _only_revision(api, name, revision):
 
 
 async def _all_gone(api, name):
-    for kind in ("Pod", "Service", "ConfigMap", "Deployment"):
+    for kind in ("Pod", "Service", "ConfigMap", "Deployment", "NetworkPolicy"):
         if await owned(api, kind, name):
             return False
     return await api.get("DistServeDeployment", NAMESPACE, name) is None

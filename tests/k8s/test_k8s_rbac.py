@@ -169,6 +169,17 @@ def test_pod_groups_are_granted_only_when_gang_scheduling_is_on():
     assert pod_group_grants({"rbac": {"gangScheduling": True}, "watchNamespaces": ["a"]}) == on
 
 
+def test_network_policies_are_granted_only_when_the_chart_manages_them():
+    def policy_grants(values: dict) -> set[Grant]:
+        roles = [d for d in render(values) if d["kind"] in ("Role", "ClusterRole")]
+        return {g for role in roles for g in grants(role["rules"]) if g[1] == "networkpolicies"}
+
+    on = {("networking.k8s.io", "networkpolicies", v) for v in ("get", "list", "create", "patch", "delete")}
+    assert policy_grants({}) == on
+    assert policy_grants({"watchNamespaces": ["a"]}) == on
+    assert policy_grants({"networkPolicy": {"enabled": False}}) == set()
+
+
 async def _has_pod(api, name):
     return name in {p["metadata"]["name"] for p in await owned(api, "Pod", "opt")}
 

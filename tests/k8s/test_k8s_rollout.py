@@ -1,6 +1,6 @@
 """A plan switch against kmock: new pods and router ConfigMap updates, no router roll,
 an old instance deleted only once it is idle (the others wait their turn); and a
-deleted pod comes back."""
+deleted pod, router config or NetworkPolicy comes back."""
 
 from __future__ import annotations
 
@@ -100,17 +100,21 @@ async def test_deleted_worker_pod_is_recreated_with_an_event(kmock):
         gone = pods[0]["metadata"]["name"]
         await api.delete("Pod", NAMESPACE, gone)
         await api.delete("ConfigMap", NAMESPACE, "opt-router")
+        await api.delete("NetworkPolicy", NAMESPACE, "opt-instances")
 
         async def back():
             names = {p["metadata"]["name"] for p in await owned(api, "Pod", "opt")}
-            return gone in names and await api.get("ConfigMap", NAMESPACE, "opt-router")
+            return gone in names and await api.get("ConfigMap", NAMESPACE, "opt-router") \
+                and await api.get("NetworkPolicy", NAMESPACE, "opt-instances")
         await _wait(back)
 
         async def recreated_events():  # posted after the objects, so waited for too
-            return [r.data for r in list(kmock) if r.method == "POST" and r.resource is not None
-                    and r.resource.plural == "events" and (r.data or {}).get("reason") == "Recreated"]
-        events = await _wait(recreated_events)
-        assert gone in events[0]["message"]
+            messages = " ".join(r.data["message"] for r in list(kmock) if r.method == "POST"
+                                and r.resource is not None and r.resource.plural == "events"
+                                and (r.data or {}).get("reason") == "Recreated")
+            return messages if "NetworkPolicy opt-instances" in messages else None
+        messages = await _wait(recreated_events)
+        assert gone in messages
         assert len(await owned(api, "Pod", "opt")) == len(pods)
     finally:
         await stop(runner)
