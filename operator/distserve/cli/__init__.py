@@ -20,6 +20,7 @@ COMMANDS = [
     "distserve.cli.simulate",
     "distserve.cli.up",
     "distserve.cli.profile",
+    "distserve.cli.fidelity",
     "distserve.cli.operator",
 ]
 

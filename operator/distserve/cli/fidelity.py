@@ -1,0 +1,256 @@
+"""`distserve fidelity -f SPEC`: the simulator held to a real deployment on this machine.
+
+Samples one trace of the spec's workload (`--requests`, lengths and Poisson arrivals at
+1 req/s, scaled to each rate) and replays it on the deployment as `distserve up`
+launches it: the plan's prefill and decode instances, then `--colocated N` colocated
+instances (the baseline). Each runs at three rates around its simulated knee (the
+highest rate at which the simulator meets the SLO target on this trace: x0.75, x1 and
+x1.25), or at `--rates`. Beside each measured figure (attainment, TTFT and TPOT p50
+and p90) it prints the simulator's for the same requests at the same times, the gap,
+whether the gap is within the goal (attainment within 2 points, percentiles within
+10%), and the 1-minute load average over the run: on a shared machine the load moves
+the measurements and not the prediction.
+The latency profile is the one `distserve up` plans with (this machine's, measured on
+first use and cached; `--profile FILE`, `--no-measure`); its fit error is printed first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from distserve.spec import load_manifest
+
+NAME = "fidelity"
+HELP = "Replay one trace on this machine's deployment at three rates; print measured beside simulated."
+KNEE_FACTORS = (0.75, 1.0, 1.25)
+DEFAULT_REQUESTS = 40
+DEFAULT_COLOCATED = 2
+WARMUP_REQUESTS = 2  # first requests of a fresh process pay one-time costs: not measured
+LOAD_SAMPLE_S = 1.0
+
+
+def add_arguments(parser) -> None:
+    """Options of `distserve fidelity`."""
+    parser.add_argument("-f", "--file", required=True, metavar="SPEC", help="DistServeDeployment YAML")
+    parser.add_argument("--rates", default=None, metavar="R1,R2,R3",
+                        help="rates in req/s (default: x0.75, x1, x1.25 the simulated knee of each deployment)")
+    parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
+                        help=f"requests in the trace, replayed at every rate (default {DEFAULT_REQUESTS})")
+    parser.add_argument("--colocated", type=int, default=DEFAULT_COLOCATED, metavar="N",
+                        help=f"also run N colocated instances (default {DEFAULT_COLOCATED}; 0: skip)")
+    parser.add_argument("--no-disaggregated", action="store_true",
+                        help="skip the plan's prefill and decode instances")
+    parser.add_argument("--port", type=int, default=8000, help="port of the router (instances use the next ones)")
+    parser.add_argument("--profile", default=None, metavar="FILE",
+                        help="plan and predict with this latency profile instead of this machine's cached one")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="do not measure this machine's profile on first use (as `distserve up`)")
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def run(args) -> int:
+    """Plan, sample the trace, then for each deployment launch it and compare per rate."""
+    from distserve.cli.up import EXIT_LAUNCH_ERROR, EXIT_USAGE_ERROR, _choose_profile
+    from distserve.local.launcher import LaunchError
+    from distserve.local.settings import find_model_path
+    from distserve.search import NoFeasiblePlan, plan_deployment
+
+    manifest = load_manifest(args.file)
+    spec = manifest.spec
+    model_path = find_model_path(spec)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        rates = [float(r) for r in args.rates.split(",")] if args.rates else None
+        source = _choose_profile(args, spec, model_path)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE_ERROR
+    spec.planner.profile_path = source.path
+    _say(f"profile: {source.describe()}")
+    _say(f"  fit error: {fit_error_text(source.path)}")
+    try:
+        plan = plan_deployment(spec)
+    except NoFeasiblePlan as err:
+        print(f"error: no feasible plan: {err}", file=sys.stderr)
+        return 1
+    trace = _sample_trace(spec, args.requests)
+    _say(f"trace: {trace.num_requests} requests of the spec's workload, replayed at every rate; "
+         f"SLOs TTFT <= {spec.slo.ttft_seconds} s, TPOT <= {spec.slo.tpot_seconds} s, "
+         f"target {spec.slo.attainment:.0%}")
+    shapes = [] if args.no_disaggregated else [0]
+    shapes += [args.colocated] if args.colocated else []
+    try:
+        for offset, num_colocated in enumerate(shapes):
+            compare_deployment(spec, plan, manifest.metadata.name, model_path, num_colocated,
+                               trace, rates, args.port + 10 * offset)
+    except LaunchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_LAUNCH_ERROR
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        _log("stopping ...")
+        return 130
+    return 0
+
+
+def _raise_interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def fit_error_text(path: str | None) -> str:
+    """The profile's recorded fit error, in words."""
+    if path is None:
+        return "none recorded (no profile file)"
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return f"unreadable ({path})"
+    errors = doc.get("fit_error")
+    if not isinstance(errors, dict) or not errors:
+        return "not recorded in the profile"
+    return ", ".join(
+        f"{phase} mean {e.get('mean_rel', float('nan')):.1%} max {e.get('max_rel', float('nan')):.1%}"
+        for phase, e in errors.items() if isinstance(e, dict))
+
+
+def _sample_trace(spec, num_requests: int):
+    """num_requests of the spec's workload at 1 req/s (Poisson), each fitting the context."""
+    from distserve.local.prediction import trace_of
+    from distserve.workload import make_workload
+
+    w = spec.workload
+    workload = make_workload(w.dataset, w.trace_path, w.arrival if w.arrival != "trace" else "poisson", w.cv)
+    max_len = (spec.model.max_model_len or 2048) - 1
+    requests = [r for r in workload.sample(1.0, num_requests, seed=spec.planner.seed)
+                if r.prompt_tokens + r.output_tokens <= max_len]
+    return trace_of(requests)
+
+
+def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: int, trace,
+                       rates: list[float] | None, port: int, drive_fn=None,
+                       launch=None) -> list[tuple]:
+    """Launch one deployment (the plan's, or with no plan the spec's placement), replay
+    the trace at each rate, print and return (rate, measured, predicted, load) per rate. drive_fn(url, requests) -> outcomes and
+    launch(settings, port) -> a context manager with .url replace the HTTP load generator
+    and the processes (tests)."""
+    from distserve.local.launcher import LocalLauncher
+    from distserve.local.prediction import LocalShape, engine_context, predicted_knee_rps
+    from distserve.local.settings import instance_counts, instance_parallel, serve_settings
+    from distserve.search import build_context
+
+    settings = serve_settings(spec, instance_counts(spec, plan, num_colocated), name, model_path,
+                              instance_parallel(spec, plan, num_colocated),
+                              plan if not num_colocated else None)
+    shape = LocalShape.from_settings(settings)
+    ctx = engine_context(build_context(spec), settings)
+    estimate_rps = (plan.goodput_rps if plan else 0.0) or spec.workload.rate_rps or 1.0
+    knee_rps = predicted_knee_rps(ctx, shape, trace, estimate_rps)
+    if not rates and knee_rps <= 0:
+        raise ValueError(f"{shape.describe()}: the simulator meets the SLO target at no rate "
+                         "on this trace; give --rates")
+    rates = rates or [round(knee_rps * f, 3) for f in KNEE_FACTORS]
+    _say(f"\n{shape.describe()}: simulated knee {knee_rps:.3f} req/s; rates "
+         + ", ".join(f"{r:g}" for r in rates) + " req/s")
+    rows = []
+    launch = launch or (lambda settings, port: LocalLauncher(settings, port=port))
+    with launch(settings, port) as launcher:
+        _log(f"  {shape.describe()} serving at {launcher.url}")
+        _drive(launcher.url, spec, trace.at_rate(rates[0]), drive_fn, WARMUP_REQUESTS)
+        for rate in rates:
+            row = _compare_at(launcher.url, spec, ctx, shape, trace, rate, drive_fn)
+            rows.append(row)
+            _say(format_comparison(shape.describe(), *row, spec.slo.attainment))
+    return rows
+
+
+def _compare_at(url: str, spec, ctx, shape, trace, rate: float, drive_fn) -> tuple:
+    """(rate, measured, predicted, load) of one replay at rate."""
+    from distserve.local.prediction import predict_run, requests_of
+    from distserve.local.report import summarize
+
+    at_rate = trace.at_rate(rate)
+    with LoadSampler() as load:
+        outcomes = _drive(url, spec, at_rate, drive_fn)
+    measured = summarize(outcomes, rate, spec.slo.ttft_seconds, spec.slo.tpot_seconds)
+    predicted = predict_run(ctx, shape, requests_of(at_rate), rate)
+    return rate, measured, predicted, load.summary()
+
+
+def _drive(url: str, spec, trace, drive_fn, limit: int | None = None):
+    """Send the trace's requests (the first `limit`, one after another, with limit)."""
+    from distserve.local.load import drive
+    from distserve.local.prediction import requests_of
+
+    requests = requests_of(trace)
+    if limit is not None:
+        requests = [type(r)(r.req_id, 0.0, r.prompt_tokens, r.output_tokens) for r in requests[:limit]]
+    if drive_fn is not None:
+        return drive_fn(url, requests)
+    if limit is not None:
+        return [asyncio.run(drive(url, spec.model.name, [r], show_progress=False))[0] for r in requests]
+    return asyncio.run(drive(url, spec.model.name, requests, seed=spec.planner.seed))
+
+
+class LoadSampler:
+    """The 1-minute load average at the start, its mean over the run, and at the end."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.samples.append(os.getloadavg()[0])
+            if self._stop.wait(LOAD_SAMPLE_S):
+                return
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> tuple[float, float, float]:
+        """(start, mean, end) of the samples."""
+        return self.samples[0], sum(self.samples) / len(self.samples), self.samples[-1]
+
+
+def format_comparison(what: str, rate: float, measured, predicted, load: tuple[float, float, float],
+                      target: float) -> str:
+    """One rate's block: each figure measured, simulated, the gap and the goal, and the load."""
+    load_text = f"load {load[0]:.1f} -> {load[2]:.1f} (mean {load[1]:.1f})"
+    lines = [f"{what} at {rate:g} req/s: {measured.num_requests} requests, "
+             f"{measured.num_errors} errors (simulated {predicted.num_errors} unfinished); {load_text}"]
+    gap = (predicted.attainment - measured.attainment) * 100  # simulated - measured
+    lines.append(f"  attainment  measured {measured.attainment:6.1%}  simulated {predicted.attainment:6.1%}"
+                 f"  gap {gap:+5.1f} pt  {'within' if abs(gap) <= 2 else 'outside'} 2 pt   "
+                 f"[{load_text}] (target {target:.0%})")
+    for label, m, p in (("TTFT p50", measured.ttft_p_s[50], predicted.ttft_p_s[50]),
+                        ("TTFT p90", measured.ttft_p_s[90], predicted.ttft_p_s[90]),
+                        ("TPOT p50", measured.tpot_p_s[50], predicted.tpot_p_s[50]),
+                        ("TPOT p90", measured.tpot_p_s[90], predicted.tpot_p_s[90])):
+        rel = (p - m) / m if m else float("nan")  # simulated relative to measured
+        verdict = "within" if abs(rel) <= 0.10 else "outside"
+        lines.append(f"  {label}    measured {m:7.3f} s simulated {p:7.3f} s  gap {rel:+6.1%}   "
+                     f"{verdict} 10%   [{load_text}]")
+    return "\n".join(lines)

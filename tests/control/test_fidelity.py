@@ -1,0 +1,62 @@
+"""`distserve fidelity`'s plumbing: one trace replayed at three rates around the simulated
+knee, each measured figure printed beside the simulator's with the load average (the
+deployment and the load generator replaced by fakes; no figure is compared)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from distserve.cli.fidelity import KNEE_FACTORS, WARMUP_REQUESTS, _sample_trace, compare_deployment
+from distserve.local.load import Outcome
+from distserve.spec import load_manifest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+class FakeClient:
+    """Every request answered at once with TTFT 1 s and TPOT 0.1 s; what was sent, kept."""
+
+    def __init__(self) -> None:
+        self.sent: list[list] = []
+
+    def __call__(self, url, requests):
+        self.sent.append(list(requests))
+        return [Outcome(r.req_id, r.prompt_tokens, r.output_tokens, 1.0, 0.1, r.output_tokens)
+                for r in requests]
+
+
+@pytest.mark.parametrize("num_colocated", [0, 2])
+def test_one_trace_at_three_rates_around_the_knee_measured_beside_simulated(num_colocated, capsys):
+    spec = load_manifest(EXAMPLES / "local.yaml").spec
+    trace = _sample_trace(spec, 12)
+    client, launched = FakeClient(), []
+
+    def launch(settings, port):
+        launched.append(settings["instances"])
+        return contextlib.nullcontext(SimpleNamespace(url=f"http://127.0.0.1:{port}"))
+
+    rows = compare_deployment(spec, None, "local", "/model", num_colocated, trace, None, 18000,
+                              drive_fn=client, launch=launch)
+    out = capsys.readouterr().out
+    assert launched == [{"colocated": 2} if num_colocated else {"prefill": 1, "decode": 1}]
+    knee = float(re.search(r"simulated knee ([\d.]+) req/s", out).group(1))
+    rates = [rate for rate, *_ in rows]
+    assert rates == pytest.approx([knee * f for f in KNEE_FACTORS], rel=1e-2)
+    warmup, *replays = client.sent
+    assert len(warmup) == WARMUP_REQUESTS and len(replays) == 3
+    for rate, sent in zip(rates, replays, strict=True):  # the same requests, arrivals scaled
+        assert [r.prompt_tokens for r in sent] == trace.prompt_tokens.tolist()
+        assert np.allclose([r.arrival_s for r in sent], trace.arrival_s / rate)
+    blocks = out.split("\n\n")[-1].split(" req/s: ")[1:]
+    assert len(blocks) == 3
+    for block in blocks:
+        for figure in ("attainment", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90"):
+            (line,) = [line for line in block.splitlines() if line.strip().startswith(figure)]
+            assert "measured" in line and "simulated" in line and "load " in line
+        assert "TTFT p50    measured   1.000 s" in block
