@@ -81,10 +81,10 @@ class DecodeInstance(InstanceLoop):
         self.fetcher.close()  # its shared-memory arena goes with it
 
     def step(self) -> None:
-        """Import finished pulls, admit what fits (start pulls, recompute the preempted),
-        then either prefill the recomputed ones or decode one token for all."""
-        self._import_ready()
+        """Admit what fits (start pulls, take back the preempted), import finished pulls,
+        then either prefill the preempted ones again or decode one token for all."""
         recompute = self._admit()
+        self._import_ready()
         if recompute:
             for item in recompute:
                 self.admission.settle(item.request.request_id)

@@ -70,6 +70,7 @@ class _Lane:
         self.waiting: deque[int] = deque()
         self.prefilling: list[list[int]] = []  # [rid, tokens prefilled] (chunked only)
         self.is_busy = False  # a prefill or mixed iteration is running
+        self.is_waking = False  # a decision is scheduled for now
 
     def is_idle(self) -> bool:
         return not self.is_busy and not self.run.is_stepping
@@ -78,7 +79,15 @@ class _Lane:
         self.waiting.append(rid)
         if self.run.is_stepping:
             self.run.cut_short()  # prefill goes first at the next boundary
-        elif not self.is_busy:
+        elif not self.is_busy and not self.is_waking:
+            # NOTE: decided in an event at the same time, after every arrival of that
+            # time, so that requests arriving together are batched together.
+            self.is_waking = True
+            self.sim.loop.at(self.sim.loop.now, self._wake)
+
+    def _wake(self) -> None:
+        self.is_waking = False
+        if self.is_idle():
             self.boundary([])
 
     def boundary(self, finished: list[tuple[int, float]]) -> None:

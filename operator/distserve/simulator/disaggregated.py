@@ -196,8 +196,15 @@ class _Decode:
         return policy.has_decode_room(self.load(), self.kv_usage(), self.max_batch)
 
     def offer(self, rid: int, prefill_idx: int) -> None:
+        """Queue a prefilled request; it is admitted now if a lane is idle, else at the
+        next iteration boundary (the engine decides between two steps)."""
         self.pending.append((rid, prefill_idx))
-        self.try_admit()
+        if any(lane.is_idle() for lane in self.lanes):
+            self.try_admit()
+            return
+        for lane in self.lanes:
+            if lane.run.is_stepping:
+                lane.run.cut_short()
 
     def try_admit(self) -> None:
         """Admit the head of the queue while it fits: start its pull, or hand it to a
@@ -250,6 +257,9 @@ class _Lane:
 
     def load(self) -> int:
         return self.run.batch.size + len(self.joining) + len(self.recomputing)
+
+    def is_idle(self) -> bool:
+        return not (self.is_busy or self.is_deciding or self.run.is_stepping)
 
     def join(self, rid: int) -> None:
         self.joining.append(rid)
