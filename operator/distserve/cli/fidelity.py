@@ -85,8 +85,11 @@ def run(args) -> int:
     try:
         plan = plan_deployment(spec)
     except NoFeasiblePlan as err:
-        print(f"error: no feasible plan: {err}", file=sys.stderr)
-        return 1
+        if not spec.placement:
+            print(f"error: no feasible plan: {err}", file=sys.stderr)
+            return 1
+        plan = None
+        _say(f"planner: no feasible plan ({err}); running the spec's placement")
     trace = _sample_trace(spec, args.requests)
     _say(f"trace: {trace.num_requests} requests of the spec's workload, replayed at every rate; "
          f"SLOs TTFT <= {spec.slo.ttft_seconds} s, TPOT <= {spec.slo.tpot_seconds} s, "
@@ -160,12 +163,15 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     shape = LocalShape.from_settings(settings)
     ctx = engine_context(build_context(spec), settings)
     estimate_rps = (plan.goodput_rps if plan else 0.0) or spec.workload.rate_rps or 1.0
-    knee_rps = predicted_knee_rps(ctx, shape, trace, estimate_rps)
+    knee_rps, judged_by = predicted_knee_rps(ctx, shape, trace, estimate_rps)
     if not rates and knee_rps <= 0:
-        raise ValueError(f"{shape.describe()}: the simulator meets the SLO target at no rate "
-                         "on this trace; give --rates")
+        raise ValueError(f"{shape.describe()}: the simulated attainment has no knee on this "
+                         "trace; give --rates")
     rates = rates or [round(knee_rps * f, 3) for f in KNEE_FACTORS]
-    _say(f"\n{shape.describe()}: simulated knee {knee_rps:.3f} req/s; rates "
+    why = ("" if judged_by == spec.slo.attainment else
+           f" (the target is out of reach even unloaded; the knee is where attainment falls "
+           f"to {judged_by:.0%})")
+    _say(f"\n{shape.describe()}: simulated knee {knee_rps:.3f} req/s{why}; rates "
          + ", ".join(f"{r:g}" for r in rates) + " req/s")
     rows = []
     launch = launch or (lambda settings, port: LocalLauncher(settings, port=port))

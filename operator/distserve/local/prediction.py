@@ -26,6 +26,7 @@ from distserve.simulator import SLO, SimResult, Trace
 from distserve.workload import Request
 
 PERCENTILES = (50, 90, 99)
+KNEE_DROP = 0.1  # attainment points below the unloaded level that mark the knee
 
 
 @dataclass(frozen=True)
@@ -112,10 +113,19 @@ def predict_run(ctx: SearchContext, shape: LocalShape, requests: Sequence[Reques
 
 
 def predicted_knee_rps(ctx: SearchContext, shape: LocalShape, trace_at_1rps: Trace,
-                       estimate_rps: float) -> float:
-    """The highest rate at which the simulated shape still meets the SLO target on this
-    trace (its arrivals scaled to the rate): where attainment starts to fall."""
-    goodput = find_goodput(
-        lambda rate, slo: simulate_shape(ctx, shape, trace_at_1rps.at_rate(rate), slo),
-        ctx.slo, estimate_rps)
-    return goodput.rate_rps
+                       estimate_rps: float) -> tuple[float, float]:
+    """(knee in req/s, the attainment it is judged by): the highest rate at which the
+    simulated shape still meets the SLO target on this trace (its arrivals scaled to the
+    rate). Where it misses the target even unloaded, the knee is where attainment falls
+    KNEE_DROP below its unloaded level instead: where queueing starts to cost."""
+    def trial(slo: SLO):
+        return find_goodput(
+            lambda rate, s: simulate_shape(ctx, shape, trace_at_1rps.at_rate(rate), s),
+            slo, estimate_rps)
+
+    goodput = trial(ctx.slo)
+    if goodput.rate_rps > 0:
+        return goodput.rate_rps, ctx.slo.attainment
+    target = max(goodput.attainment - KNEE_DROP, KNEE_DROP)  # attainment at the lowest rate
+    relaxed = dataclasses.replace(ctx.slo, attainment=target)
+    return trial(relaxed).rate_rps, target
