@@ -151,3 +151,21 @@ def test_two_replicas_on_their_own_nodes_serve_twice_the_rate_of_one():
         transfer=TransferModel(1e5, [[fast, slow], [slow, fast]]),
     )
     assert np.nanpercentile(two.tpot_s, 90) < 1.3 * np.nanpercentile(one.tpot_s, 90)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_kv_that_runs_out_preempts_and_every_request_still_finishes(pp):
+    # 3000 tokens hold a few requests (prompts up to 1024, outputs up to 256): decode
+    # growth runs out of KV again and again, in every policy and with lanes sharing it
+    trace = make_trace(200, 6.0, seed=11)
+    results = [
+        simulate_disaggregated(trace, [make_instance(pp=pp)],
+                               [make_instance(pp=pp, kv_capacity_tokens=3000)],
+                               transfer=None, max_decode_batch=32),
+        simulate_colocated(trace, [make_instance(pp=pp, kv_capacity_tokens=3000)], max_batch=32),
+        simulate_colocated(trace, [make_instance(pp=pp, kv_capacity_tokens=3000)], max_batch=32,
+                           chunk_size=256),
+    ]
+    for result in results:
+        assert result.num_preemptions > 0
+        assert not np.isnan(result.tpot_s).any()

@@ -52,6 +52,9 @@ class _Instance:
     def admit(self, rid: int) -> None:
         self.promised_tokens += self.sim.held[rid]
         self.count += 1
+        if len(self.lanes) > 1:  # the promise may end another lane's run sooner
+            for lane in self.lanes:
+                lane.run.limit(self.budget_tokens(lane))
 
     def release(self, rid: int, from_lane: _Lane) -> None:
         self.count -= 1
@@ -98,7 +101,7 @@ class _Lane:
             sim.rec.finish(rid, now, first_s)
             self.instance.release(rid, self)
         budget = self.instance.budget_tokens(self)
-        while batch.total_context() > budget:  # the next step does not fit: preempt
+        while batch.size and batch.total_context() > budget:  # the next step does not fit
             rid, held, steps_left, first_s = batch.preempt_newest()
             sim.held[rid], sim.steps_left[rid], sim.first_token_s[rid] = held, steps_left, first_s
             self.instance.count -= 1

@@ -289,7 +289,7 @@ class _Lane:
             decode.promised_tokens -= sim.prompt[rid] + 1
         self.joining.clear()
         budget = decode.budget_tokens(self)
-        while batch.total_context() > budget:  # the next step does not fit: preempt
+        while batch.size and batch.total_context() > budget:  # the next step does not fit
             rid, held, steps_left, first_s = batch.preempt_newest()
             sim.held[rid], sim.steps_left[rid], sim.first_token_s[rid] = held, steps_left, first_s
             decode.preempted(rid)
