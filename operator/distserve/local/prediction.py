@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from distserve.local.report import RunSummary
-from distserve.search.goodput import find_goodput
+from distserve.search.goodput import MAX_SHRINK, find_goodput
 from distserve.search.trials import SearchContext, Unit, simulate_baseline, simulate_unit
 from distserve.simulator import SLO, SimResult, Trace
 from distserve.workload import Request
@@ -114,18 +114,18 @@ def predict_run(ctx: SearchContext, shape: LocalShape, requests: Sequence[Reques
 
 def predicted_knee_rps(ctx: SearchContext, shape: LocalShape, trace_at_1rps: Trace,
                        estimate_rps: float) -> tuple[float, float]:
-    """(knee in req/s, the attainment it is judged by): the highest rate at which the
-    simulated shape still meets the SLO target on this trace (its arrivals scaled to the
-    rate). Where it misses the target even unloaded, the knee is where attainment falls
-    KNEE_DROP below its unloaded level instead: where queueing starts to cost."""
-    def trial(slo: SLO):
+    """(knee in req/s, the attainment that marks it): the highest rate at which the
+    simulated shape's attainment on this trace (arrivals scaled to the rate) stays at the
+    SLO target, or at KNEE_DROP below its unloaded level where that is lower: where the
+    target is barely met (or missed) unloaded, the goodput is a near-zero rate and says
+    nothing about where queueing starts to cost."""
+    def goodput(target: float):
         return find_goodput(
             lambda rate, s: simulate_shape(ctx, shape, trace_at_1rps.at_rate(rate), s),
-            slo, estimate_rps)
+            dataclasses.replace(ctx.slo, attainment=target), estimate_rps)
 
-    goodput = trial(ctx.slo)
-    if goodput.rate_rps > 0:
-        return goodput.rate_rps, ctx.slo.attainment
-    target = max(goodput.attainment - KNEE_DROP, KNEE_DROP)  # attainment at the lowest rate
-    relaxed = dataclasses.replace(ctx.slo, attainment=target)
-    return trial(relaxed).rate_rps, target
+    unloaded = simulate_shape(ctx, shape, trace_at_1rps.at_rate(estimate_rps / MAX_SHRINK))
+    target = min(ctx.slo.attainment, unloaded.attainment(ctx.slo) - KNEE_DROP)
+    if target <= 0:
+        return 0.0, target
+    return goodput(target).rate_rps, target
