@@ -9,11 +9,11 @@ import ipaddress
 
 import kubernetes_validate
 import pytest
-from k8s_factories import make_owner, make_revision, make_spec
-from kmock_cluster import NAMESPACE, VersionedEmulator, prepare
+from k8s_factories import make_owner, make_plan, make_revision, make_spec
+from kmock_cluster import NAMESPACE, VersionedEmulator, make_resource, prepare
 from test_k8s_chart import render
 
-from distserve.k8s import applying, naming, network
+from distserve.k8s import applying, naming, network, planning, reconciling, workers
 from distserve.k8s.network import (
     NetworkSettings,
     Peer,
@@ -209,5 +209,38 @@ async def test_policies_are_applied_patched_and_removed_when_the_spec_turns_them
         assert not admits(router, {}, "elsewhere", HTTP_PORT, ip="192.0.2.1")
         await applying.apply_network_policies(api, owner, make_spec(networkPolicy={"enabled": False}))
         assert await api.list("NetworkPolicy", NAMESPACE, labels) == []
+    finally:
+        await api.close()
+
+
+@pytest.mark.k8s
+@pytest.mark.kmock(cls=VersionedEmulator)
+async def test_a_spec_change_that_keeps_the_plan_reaches_the_policies_and_the_router(kmock):
+    api = prepare(kmock)
+    plan = make_plan()
+    before = make_spec()
+    after = make_spec(router={"apiKeySecret": {"name": "llm-api-keys", "key": "keys"}},
+                      networkPolicy={"apiFrom": [OFFICE]})
+    revision = naming.Revision(naming.Owner("opt", NAMESPACE, "uid-opt"), plan, before)
+    assert naming.Revision(revision.owner, plan, after).id == revision.id  # no new revision
+    try:
+        body = await api.create(make_resource("opt", {"model": {"name": "facebook/opt-13b"},
+                                                      "slo": {"ttftSeconds": 0.25, "tpotSeconds": 0.1}}))
+        await api.patch("DistServeDeployment", NAMESPACE, "opt", {"status": {
+            "revision": revision.id, "instances": []}}, subresource="status")
+        endpoints = workers.instance_endpoints(revision)
+        await applying.apply_router(api, revision.owner, before, endpoints, plan)
+        await applying.apply_network_policies(api, revision.owner, before)
+
+        await reconciling.apply_plan(api, body, revision.owner, planning.Planned(plan, after, frozenset()))
+        deployment = await api.get("Deployment", NAMESPACE, "opt-router")
+        env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert {"name": "DISTSERVE_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": "llm-api-keys", "key": "keys"}}} in env
+        assert [e["name"] for e in await applying.read_router_instances(api, revision.owner)] == \
+            [e["name"] for e in endpoints]  # the same instances, still routed
+        router_policy = await api.get("NetworkPolicy", NAMESPACE, "opt-router")
+        assert not admits(router_policy, {}, "elsewhere", HTTP_PORT, ip="192.0.2.1")
+        assert await api.list("Pod", NAMESPACE) == []  # nothing else was started
     finally:
         await api.close()

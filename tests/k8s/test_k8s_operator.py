@@ -122,7 +122,8 @@ async def test_restart_changes_nothing_that_is_right(kmock):
     finally:
         await stop(runner)
     writes = [r for r in list(kmock)[seen:] if r.method in ("POST", "PATCH", "DELETE", "PUT")
-              and r.resource is not None and r.resource.plural in ("pods", "services", "configmaps", "deployments")]
+              and r.resource is not None and r.resource.plural in (
+                  "pods", "services", "configmaps", "deployments", "networkpolicies")]
     assert writes == []
     assert (await status_of(api, "opt"))["phase"] == "Ready"
 
