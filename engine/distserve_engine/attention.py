@@ -1,18 +1,30 @@
 """Attention over the paged KV cache for a batch of variable-length sequences.
 
-The runner describes a batch once (`AttentionMetadata`, built with index tensors); each
-layer then writes its new K/V into the cache by slot, gathers every sequence's context
-by block table into a padded (B, K) view, and calls torch SDPA with a causal,
-length-aware mask. No layer loops over tokens or sequences in Python. A prefill whose
-context is only the batch's own tokens skips the gather and attends to the new K/V.
+The runner describes a batch once per step (`AttentionMetadata`: index tensors, the mask,
+buffers the layers share); every layer then writes its new K/V into the cache by slot
+and attends by one of these paths, chosen by what the batch is:
+
+- a prefill whose context is only its own new tokens: SDPA over the new K/V, causal and
+  without a mask (a right-padded query only reaches keys at or before it, so padding
+  never reaches a real query), and with no padding copy when the lengths are equal;
+- a decode step on the CPU: each sequence's context is gathered block by block into
+  two buffers every layer reuses, then one batched matmul per KV head scores it (grouped
+  query heads share their KV head, nothing is repeated);
+- a decode step on CUDA with FlashAttention installed: its kernel reads the cache
+  through the block table (`flash_paged.py`), nothing is gathered;
+- anything else (a cached prefix, CUDA without FlashAttention): gather, then SDPA with a
+  length-aware mask.
+No layer loops over tokens or sequences in Python.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from distserve_engine import flash_paged
 
 
 @dataclass
@@ -22,12 +34,22 @@ class AttentionMetadata:
     positions: torch.Tensor  # (T,) position of each new token in its sequence
     slot_mapping: torch.Tensor  # (T,) cache slot (block_id * block_size + offset) of each
     block_tables: torch.Tensor  # (B, max_blocks) block ids, padded with 0
-    query_index: torch.Tensor | None  # (B, Qmax) flat token index per padded query; None: Q=1
+    context_lens: torch.Tensor  # (B,) tokens in each sequence's context after this step
+    query_index: torch.Tensor | None  # (B, Qmax) flat token index per padded query;
+    # None when every sequence adds the same number of tokens (T = B * Qmax, no padding)
     output_index: torch.Tensor | None  # (T,) flat (B*Qmax) index of each real token
     attn_mask: torch.Tensor | None  # (B, 1, Qmax, K) True where a query may attend a key;
-    # None for a single new sequence: plain causal, which lets SDPA pick a flash kernel
+    # None when the context is new: causal alone is right and lets SDPA skip half the work
     logits_index: torch.Tensor  # (B,) flat index of each sequence's last new token
     is_context_new: bool  # every key is a new token of this batch: skip the cache gather
+    num_queries: int  # Qmax: the most new tokens of one sequence (1 in a decode step)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # per-step scratch the
+    # layers share (the gathered context, the decode bias); never read across steps
+
+    @property
+    def batch(self) -> int:
+        """B: the number of sequences."""
+        return self.logits_index.shape[0]
 
 
 def build_metadata(
@@ -41,28 +63,44 @@ def build_metadata(
     steps = torch.arange(q_max)[None, :]  # (1, Qmax)
     is_valid = steps < lens_t[:, None]  # (B, Qmax)
     q_pos = torch.where(is_valid, starts_t[:, None] + steps, 0)  # (B, Qmax); pads sit at 0
-    max_blocks = max(len(t) for t in block_tables)
-    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables])  # (B, nb)
+    tables = torch.tensor(pad_block_tables(block_tables, 0))  # (B, nb)
     slots = tables.gather(1, q_pos // block_size) * block_size + q_pos % block_size
     is_context_new = all(s == 0 for s in starts)
-    num_keys = q_max if is_context_new else max_blocks * block_size
-    mask = torch.arange(num_keys)[None, None, :] <= q_pos[:, :, None]  # (B, Qmax, K)
     first_index = torch.cumsum(lens_t, 0) - lens_t  # (B,) flat index of each seq's first token
-    if q_max == 1:
-        query_index = output_index = None
-    else:
+    is_uniform = min(num_new) == q_max
+    query_index = output_index = mask = None
+    if not is_uniform:
         query_index = torch.where(is_valid, first_index[:, None] + steps, 0).to(device)
         output_index = is_valid.flatten().nonzero().squeeze(1).to(device)
+    if not is_context_new:
+        num_keys = tables.shape[1] * block_size
+        mask = (torch.arange(num_keys)[None, None, :] <= q_pos[:, :, None])[:, None].to(device)
     return AttentionMetadata(
-        positions=q_pos[is_valid].to(device),
-        slot_mapping=slots[is_valid].to(device),
+        positions=(q_pos if is_uniform else q_pos[is_valid]).flatten().to(device),
+        slot_mapping=(slots if is_uniform else slots[is_valid]).flatten().to(device),
         block_tables=tables.to(device),
+        context_lens=(starts_t + lens_t).to(device),
         query_index=query_index,
         output_index=output_index,
-        attn_mask=None if is_context_new and len(starts) == 1 else mask[:, None].to(device),
+        attn_mask=mask,
         logits_index=(first_index + lens_t - 1).to(device),
         is_context_new=is_context_new,
+        num_queries=q_max,
     )
+
+
+def pad_block_tables(block_tables: list[list[int]], pad_id: int) -> list[list[int]]:
+    """Block tables as rows of equal length, the short ones padded with pad_id."""
+    width = max(len(t) for t in block_tables)
+    return [t + [pad_id] * (width - len(t)) for t in block_tables]
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write the new tokens' k/v (T, Hkv, D) into the caches (NB, bs, Hkv, D) by slot."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 def paged_attention(
@@ -73,37 +111,102 @@ def paged_attention(
 
     Writes k/v into the cache at meta.slot_mapping before attending.
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[1]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    batch = meta.logits_index.shape[0]
-    if meta.query_index is None:
-        queries = q.view(batch, 1, num_heads, head_dim)  # (B, 1, H, D)
-    else:
-        queries = q[meta.query_index]  # (B, Qmax, H, D)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_context_new:
-        index = meta.query_index if meta.query_index is not None else torch.arange(batch, device=q.device)[:, None]
-        keys, values = k[index], v[index]  # (B, Qmax, Hkv, D)
-    else:
-        keys = _gather_context(k_cache, meta.block_tables)  # (B, K, Hkv, D)
-        values = _gather_context(v_cache, meta.block_tables)  # (B, K, Hkv, D)
+        return _attend_new(q, k, v, meta, scale)
+    if meta.num_queries == 1 and not q.is_cuda:
+        return _decode_cpu(q, k_cache, v_cache, meta, scale)
+    if meta.num_queries == 1 and flash_paged.can_use(q, k_cache):
+        return flash_paged.decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    return _attend_gathered(q, k_cache, v_cache, meta, scale)
+
+
+def _padded(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """(T, n, D) -> (B, Qmax, n, D): a view when no sequence is padded, else a copy."""
+    if meta.query_index is None:
+        return x.view(meta.batch, meta.num_queries, x.shape[1], x.shape[2])
+    return x[meta.query_index]
+
+
+def _unpadded(out: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """SDPA's (B, H, Qmax, D) -> (T, H*D) over the real queries."""
+    batch, num_heads, q_max, head_dim = out.shape
+    out = out.transpose(1, 2).reshape(batch * q_max, num_heads * head_dim)  # (B*Qmax, H*D)
+    return out if meta.output_index is None else out[meta.output_index]
+
+
+def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+          mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """(B, Q, H, D), (B, K, Hkv, D) x2 -> (B, H, Q, D); causal when mask is None."""
+    num_heads, num_kv_heads = queries.shape[2], keys.shape[2]
     is_gqa = num_heads != num_kv_heads
-    if is_gqa and q.is_cuda:
+    if is_gqa and queries.is_cuda and mask is not None:
         # NOTE: CUDA's fused kernels take a mask or GQA but not both; expand KV heads instead.
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=2)  # (B, K, H, D)
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=2)
         is_gqa = False
-    out = F.scaled_dot_product_attention(
+    return F.scaled_dot_product_attention(
         queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=meta.attn_mask, is_causal=meta.attn_mask is None, scale=scale,
-        enable_gqa=is_gqa,
-    )  # (B, H, Qmax, D)
-    out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)  # (B*Qmax, H*D)
-    return out if meta.output_index is None else out[meta.output_index]  # (T, H*D)
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=is_gqa,
+    )  # (B, H, Q, D)
 
 
-def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    batch, max_blocks = block_tables.shape
-    blocks = cache.index_select(0, block_tables.flatten())  # (B*nb, bs, Hkv, D)
-    return blocks.view(batch, max_blocks * cache.shape[1], cache.shape[2], cache.shape[3])
+def _attend_new(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+    """A prefill over new tokens only: causal SDPA over the batch's own K/V."""
+    out = _sdpa(_padded(q, meta), _padded(k, meta), _padded(v, meta), None, scale)
+    return _unpadded(out, meta)
+
+
+def _attend_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Any batch: gather each sequence's padded context, SDPA with the length mask."""
+    keys, values = gather_context(k_cache, v_cache, meta)  # (B, K, Hkv, D) each
+    out = _sdpa(_padded(q, meta), keys, values, meta.attn_mask, scale)
+    return _unpadded(out, meta)
+
+
+def _decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One new token per sequence: batched matmuls per KV head over the gathered context.
+
+    NOTE: torch's CPU flash kernel spends ~15 us per (sequence, head) at a single query,
+    which at batch 32 cost more than the context's whole matmuls; here one baddbmm and one
+    bmm per KV head cover every sequence and its grouped query heads.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    keys, values = gather_context(k_cache, v_cache, meta)  # (B, K, Hkv, D) each
+    bias = meta.buffers.get("decode_bias")
+    if bias is None:  # (B, 1, K): 0 where a key is in the context, -inf past its end
+        bias = torch.zeros(meta.attn_mask.shape[0], 1, meta.attn_mask.shape[-1], dtype=q.dtype)
+        bias.masked_fill_(~meta.attn_mask[:, 0], float("-inf"))
+        meta.buffers["decode_bias"] = bias
+    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, Hkv, G, D)
+    out = q.new_empty(num_kv_heads, batch, num_heads // num_kv_heads, head_dim)  # (Hkv, B, G, D)
+    for head in range(num_kv_heads):
+        scores = torch.baddbmm(bias, grouped[:, head], keys[:, :, head].transpose(1, 2),
+                               alpha=scale)  # (B, G, K)
+        probs = scores.float().softmax(dim=-1).to(q.dtype)
+        torch.bmm(probs, values[:, :, head], out=out[head])  # (B, G, D)
+    return out.permute(1, 0, 2, 3).reshape(batch, num_heads * head_dim)  # (B, H*D)
+
+
+def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's context by block table, (B, K, Hkv, D) for K and for V.
+
+    The two output buffers are allocated once per step and refilled by every layer.
+    """
+    batch, max_blocks = meta.block_tables.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    ids = meta.block_tables.flatten()  # (B*nb,)
+    out = []
+    for name, cache in (("k", k_cache), ("v", v_cache)):
+        buffer = meta.buffers.get(name)
+        if buffer is None:
+            buffer = cache.new_empty(batch * max_blocks, block_size, num_kv_heads, head_dim)
+            meta.buffers[name] = buffer
+        torch.index_select(cache, 0, ids, out=buffer)  # (B*nb, bs, Hkv, D)
+        out.append(buffer.view(batch, max_blocks * block_size, num_kv_heads, head_dim))
+    return out[0], out[1]

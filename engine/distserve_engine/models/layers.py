@@ -105,6 +105,9 @@ class RMSNorm(nn.Module):
         return y.to(x.dtype)
 
 
+RopeTable = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin: (T, 1, D) each
+
+
 class RotaryEmbedding(nn.Module):
     """HF-style (half-split) rotary position embedding with a precomputed cos/sin table."""
 
@@ -118,18 +121,25 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (T,), q (T, H, D), k (T, Hkv, D) -> rotated q, k."""
-        cos = self.cos[positions][:, None, :]  # (T, 1, D/2)
-        sin = self.sin[positions][:, None, :]  # (T, 1, D/2)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:
+        """cos and signed sin at these positions, (T, 1, D) each, built once per step.
 
+        cos repeats its half; sin is negated in its first half, so that rotating x is
+        x * cos + cat(x2, x1) * sin with x = cat(x1, x2).
+        """
+        cos = self.cos[positions]  # (T, D/2)
+        sin = self.sin[positions]  # (T, D/2)
+        full_cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype)  # (T, 1, D)
+        signed_sin = torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype)  # (T, 1, D)
+        return full_cos, signed_sin
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)  # (T, H, D/2) each
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    @staticmethod
+    def rotate_(x: torch.Tensor, table: RopeTable) -> None:
+        """Rotate x (T, n, D), any heads of q and k at once, in place (in x's dtype, as HF)."""
+        cos, signed_sin = table
+        half = x.shape[-1] // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (T, n, D)
+        x.mul_(cos).addcmul_(swapped, signed_sin)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from distserve_engine.models.base import CausalLM, Loader, copy_into
 from distserve_engine.models.layers import (
     ColumnParallelLinear,
     RMSNorm,
+    RopeTable,
     RotaryEmbedding,
     RowParallelLinear,
 )
@@ -26,7 +27,7 @@ from distserve_engine.parallel import ParallelState
 class LlamaAttention(nn.Module):
     """Multi-head attention with grouped KV heads and rotary positions."""
 
-    def __init__(self, c: ModelConfig, state: ParallelState, rotary: RotaryEmbedding) -> None:
+    def __init__(self, c: ModelConfig, state: ParallelState) -> None:
         super().__init__()
         self.num_heads = c.num_heads // state.tp  # local
         self.num_kv_heads = c.num_kv_heads // state.tp  # local
@@ -35,16 +36,16 @@ class LlamaAttention(nn.Module):
         parts = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         self.qkv_proj = ColumnParallelLinear(c.hidden_size, parts, c.attention_bias, state)
         self.o_proj = RowParallelLinear(c.num_heads * c.head_dim, c.hidden_size, False, state)
-        self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: RopeTable,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """(T, hidden) -> (T, hidden)."""
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        q, k = self.rotary(meta.positions, q, k)
+        qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) * D)
+        num_qk = (self.num_heads + self.num_kv_heads) * self.head_dim
+        qk = qkv[:, :num_qk].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        RotaryEmbedding.rotate_(qk, rope)  # q's and k's heads at once, in place
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]  # (T, H, D), (T, Hkv, D)
+        v = qkv[:, num_qk:].view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H*D)
         return self.o_proj(out)
 
@@ -60,25 +61,26 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, hidden) -> (T, hidden)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I/tp) each
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I/tp) each, views
+        F.silu(gate, inplace=True)
+        return self.down_proj(gate.mul_(up))  # a strided view: the GEMM reads it in place
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block, each with a residual."""
 
-    def __init__(self, c: ModelConfig, state: ParallelState, rotary: RotaryEmbedding) -> None:
+    def __init__(self, c: ModelConfig, state: ParallelState) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
-        self.self_attn = LlamaAttention(c, state, rotary)
+        self.self_attn = LlamaAttention(c, state)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
         self.mlp = LlamaMLP(c, state)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden)."""
-        x = x + self.self_attn(self.input_layernorm(x), meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: RopeTable,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden); adds to x in place (the residual stream is owned)."""
+        x.add_(self.self_attn(self.input_layernorm(x), meta, rope, k_cache, v_cache))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaForCausalLM(CausalLM):
@@ -87,9 +89,9 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, state: ParallelState) -> None:
         super().__init__(config, state)
         c = config
-        rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling)
+        self.rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if state.is_first_stage else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, state, rotary) for _ in self.layer_range)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, state) for _ in self.layer_range)
         if state.is_last_stage:
             self.norm = RMSNorm(c.hidden_size, c.norm_eps)
             self.lm_head = ColumnParallelLinear(c.hidden_size, [self.padded_vocab], False, state)
@@ -97,9 +99,10 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         """Token ids (T,) on the first stage, else hidden (T, hidden) -> hidden (T, hidden)."""
-        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x.clone()
+        rope = self.rotary.table(meta.positions, hidden.dtype)  # once per step, not per layer
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, meta, *kv_cache.layer(i))
+            hidden = layer(hidden, meta, rope, *kv_cache.layer(i))
         return hidden
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
