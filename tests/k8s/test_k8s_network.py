@@ -207,6 +207,9 @@ async def test_policies_are_applied_patched_and_removed_when_the_spec_turns_them
         router = await api.get("NetworkPolicy", NAMESPACE, "opt-router")
         assert admits(router, {}, "", HTTP_PORT, ip="10.20.0.1")
         assert not admits(router, {}, "elsewhere", HTTP_PORT, ip="192.0.2.1")
+        await applying.apply_network_policies(api, owner, make_spec())  # apiFrom removed again
+        router = await api.get("NetworkPolicy", NAMESPACE, "opt-router")
+        assert admits(router, {}, "elsewhere", HTTP_PORT, ip="192.0.2.1")
         await applying.apply_network_policies(api, owner, make_spec(networkPolicy={"enabled": False}))
         assert await api.list("NetworkPolicy", NAMESPACE, labels) == []
     finally:

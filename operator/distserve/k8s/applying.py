@@ -18,13 +18,12 @@ from distserve.plan import Plan
 
 # Kinds the operator owns, in the order they are deleted (dependents first).
 OWNED_KINDS = ("Pod", "Service", "ConfigMap", "Deployment")
-POLICY_KIND = "NetworkPolicy"  # one pair per deployment, not per revision
 
 
 def owned_kinds() -> tuple[str, ...]:
     """OWNED_KINDS, and NetworkPolicies where the operator manages them (its chart grants
     them; otherwise it may not even list them)."""
-    return OWNED_KINDS + ((POLICY_KIND,) if network.settings().is_managed else ())
+    return OWNED_KINDS + ((network.POLICY_KIND,) if network.settings().is_managed else ())
 
 
 def is_subset(desired: Any, current: Any) -> bool:
@@ -63,7 +62,10 @@ async def create_or_patch(api: ApiClient, obj: dict[str, Any]) -> str:
                 raise
             current = await api.get(obj["kind"], meta.get("namespace"), meta["name"]) or {}
     patch = patch_of(obj)
-    if is_subset(patch, current):
+    if is_subset(patch, current) and (obj["kind"] != network.POLICY_KIND
+                                      or current.get("spec") == obj["spec"]):
+        # NOTE: a NetworkPolicy's rules must match exactly: a rule that drops its `from`
+        # (open to all again) is a subset of the restricted one it replaces.
         return "unchanged"
     await api.patch(obj["kind"], meta.get("namespace"), meta["name"], patch)
     return "patched"
@@ -154,7 +156,7 @@ async def apply_network_policies(api: ApiClient, owner: naming.Owner,
     if policies:
         await apply_objects(api, policies)
     else:
-        await delete_labelled(api, owner.namespace, {naming.DEPLOYMENT_LABEL: owner.name}, (POLICY_KIND,))
+        await delete_labelled(api, owner.namespace, {naming.DEPLOYMENT_LABEL: owner.name}, (network.POLICY_KIND,))
     return len(policies)
 
 

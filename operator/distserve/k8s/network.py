@@ -1,4 +1,4 @@
-"""Who may reach a deployment's instances: the NetworkPolicy among the operator's objects.
+"""Who may reach a deployment's pods: the NetworkPolicies among the operator's objects.
 
 An instance pod serves the KV cache (`/kv/...`), prefill and decode (`/prefill`,
 `/decode`) on its `http` port, with no authentication: whoever reaches it can read
@@ -9,11 +9,12 @@ colocated ones) is allowed only
   rendezvous and its collectives use ports chosen at run time);
 - from the operator (draining and health read `/load`) and the metrics scrapers
   (Prometheus reads `/metrics`), on the `http` port only.
-The router is not selected: its Service is the deployment's API (with its own keys).
 Everything else in the cluster is refused once a policy selects the pods.
 
-The router's policy opens its API port only (the port of `/v1` and `/metrics`): to any
-source, or to `apiFrom` and the metrics scrapers when the spec or the chart names them.
+That policy does not select the router: its Service is the deployment's API (with its
+own keys). The router's own policy opens its API port only (the port of `/v1` and
+`/metrics`): to any source, or to `apiFrom` and the metrics scrapers when the spec or the
+chart names them.
 
 Who the operator and the scrapers are is the operator's environment, set by its chart
 (`NetworkSettings.from_env`); a spec's `networkPolicy` overrides the peers per deployment.
@@ -34,6 +35,7 @@ from distserve import spec as specs
 from distserve.k8s import naming
 from distserve.spec_access import PolicyPeer
 
+POLICY_KIND = "NetworkPolicy"  # one pair per deployment (instances, router), not per revision
 INSTANCE_ROLES = ("prefill", "decode", "colocated")
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set by Kubernetes on every namespace
 # The scrapers when neither the chart nor the spec names them: Prometheus pods as
@@ -81,9 +83,9 @@ class NetworkSettings:
         operator = Peer(labels, namespace) if namespace and labels else None
         metrics = _json_env(environ, METRICS_FROM_ENV, None)
         return cls(is_managed=managed == "true", operator=operator,
-                   api_from=tuple(peer_documents(_json_env(environ, API_FROM_ENV, []), API_FROM_ENV)),
+                   api_from=_env_peers(_json_env(environ, API_FROM_ENV, []), API_FROM_ENV),
                    metrics_from=DEFAULT_METRICS_FROM if metrics is None
-                   else tuple(peer_documents(metrics, METRICS_FROM_ENV)))
+                   else _env_peers(metrics, METRICS_FROM_ENV))
 
 
 def _json_env(environ: Mapping[str, str], name: str, default: Any) -> Any:
@@ -97,14 +99,17 @@ def _json_env(environ: Mapping[str, str], name: str, default: Any) -> Any:
         raise ValueError(f"{name}: not JSON: {text[:80]!r}") from None
 
 
-def peer_documents(peers: Any, where: str) -> list[dict[str, Any]]:
-    """NetworkPolicyPeers checked as the spec checks them, as the API takes them."""
+def _env_peers(value: Any, name: str) -> tuple[dict[str, Any], ...]:
+    """NetworkPolicyPeers from the environment, checked as the spec checks its own."""
     try:
-        checked = peers if isinstance(peers, list) and all(
-            isinstance(p, PolicyPeer) for p in peers) else _PEERS.validate_python(peers)
+        return tuple(peer_documents(_PEERS.validate_python(value)))
     except ValidationError as exc:
-        raise ValueError(f"{where}: {specs.format_validation_error(exc)}") from None
-    return [p.model_dump(mode="json", by_alias=True, exclude_none=True) for p in checked]
+        raise ValueError(f"{name}: {specs.format_validation_error(exc)}") from None
+
+
+def peer_documents(peers: Sequence[PolicyPeer]) -> list[dict[str, Any]]:
+    """The spec's peers as the API takes them (camelCase, unset fields left out)."""
+    return [p.model_dump(mode="json", by_alias=True, exclude_none=True) for p in peers]
 
 
 @functools.cache
@@ -200,10 +205,8 @@ def build_network_policies(owner: naming.Owner, spec: specs.DistServeDeploymentS
     if not is_enabled(spec, found):
         return []
     wanted = spec.network_policy
-    metrics_from = (peer_documents(wanted.metrics_from, "spec.networkPolicy.metricsFrom")
-                    if wanted.metrics_from else list(found.metrics_from))
-    api_from = (peer_documents(wanted.api_from, "spec.networkPolicy.apiFrom")
-                if wanted.api_from else list(found.api_from))
+    metrics_from = peer_documents(wanted.metrics_from) if wanted.metrics_from else list(found.metrics_from)
+    api_from = peer_documents(wanted.api_from) if wanted.api_from else list(found.api_from)
     peers: list[Peer | dict[str, Any]] = [*([found.operator] if found.operator else []), *metrics_from]
     return [build_instance_network_policy(owner, spec.engine.port, peers),
             build_router_network_policy(owner, spec.engine.port, api_from, metrics_from)]
