@@ -25,6 +25,7 @@ _KEPT = (
     "pattern",
     "format",
     "required",
+    "minItems",
 )
 
 STATUS_SCHEMA: dict[str, Any] = {

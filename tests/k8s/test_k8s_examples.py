@@ -116,6 +116,7 @@ def test_a_peer_the_api_server_would_refuse_is_refused_naming_it(peer, says):
     (("networkPolicy", "enabled"), "maybe"),
     (("networkPolicy", "apiFrom", 0, "podSelector", "matchExpressions", 0, "operator"), "Near"),
     (("networkPolicy", "metricsFrom"), {"namespaceSelector": {}}),
+    (("networkPolicy", "apiFrom"), []),
 ])
 def test_the_crd_refuses_a_wrong_type_naming_the_field(where, value):
     doc = manifest(copy.deepcopy(EVERY_OPTION))
