@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StrictBool, field_validator, model_validator
 
 from distserve.spec_base import SpecModel
 from distserve.spec_pods import SecretKeyRef
@@ -91,7 +91,8 @@ class PolicyPeer(SpecModel):
 class NetworkPolicySpec(SpecModel):
     """The NetworkPolicies the operator keeps next to the deployment's pods."""
 
-    enabled: bool = Field(
+    # NOTE: strict, as the CRD is: a lax bool would take 1 or "yes" the API server refuses.
+    enabled: StrictBool = Field(
         default=True, description="Keep two NetworkPolicies: the instances (KV, prefill, "
         "decode endpoints) accept traffic only from the deployment's own pods, the operator "
         "and metricsFrom; the router accepts its API port from apiFrom. Needs a network "
