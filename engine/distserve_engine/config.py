@@ -44,6 +44,7 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline-parallel degree (layer stages)
     dist_init_method: str = "env://"  # torch.distributed rendezvous when tp * pp > 1
+    enable_cuda_graphs: bool = True  # replay decode steps from CUDA graphs (CUDA, tp = pp = 1)
 
     def __post_init__(self) -> None:
         if self.device_type not in DEVICE_TO_DTYPES:

@@ -4,10 +4,14 @@ Layout: one K and one V tensor per instance, (num_layers, num_blocks, block_size
 num_kv_heads, head_dim). A block holds `block_size` consecutive tokens of one sequence
 for every layer, so moving a sequence means moving whole blocks. `export` packs a
 sequence's blocks into contiguous tensors; `import_` writes them into other block ids.
+On CUDA both go between host and device through one pinned staging buffer, with
+non-blocking copies, instead of pageable memory. A cache may hold scratch blocks beyond
+`num_blocks` that no sequence owns (CUDA graphs' padding rows write there).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -75,12 +79,17 @@ def num_blocks_for_budget(shape: KVCacheShape, kv_cache_bytes: int, max_model_le
 class KVCache:
     """K and V tensors of all local layers, paged into blocks."""
 
-    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device,
+                 num_scratch_blocks: int = 0) -> None:
         self.shape = shape
-        self.num_blocks = num_blocks
-        dims = (shape.num_layers, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        self.num_blocks = num_blocks  # blocks sequences may own; scratch ones come after
+        self.scratch_block = num_blocks if num_scratch_blocks else None
+        dims = (shape.num_layers, num_blocks + num_scratch_blocks, shape.block_size,
+                shape.num_kv_heads, shape.head_dim)
         self.k = torch.zeros(dims, dtype=shape.dtype, device=device)  # (L, NB, bs, Hkv, D)
         self.v = torch.zeros(dims, dtype=shape.dtype, device=device)  # (L, NB, bs, Hkv, D)
+        self._staging: torch.Tensor | None = None  # pinned host bytes, CUDA caches only
+        self._staging_lock = threading.Lock()  # transfer threads share the staging buffer
 
     @property
     def nbytes(self) -> int:
@@ -102,8 +111,7 @@ class KVCache:
             self._copy_blocks(block_table, num_tokens, k, v, is_export=True)
             if into is not None:  # a device cache: through a device blob to the host buffer
                 host_k, host_v = kv_views(into[: self.blob_nbytes(num_tokens)], shape, self.shape.dtype)
-                host_k.copy_(k)
-                host_v.copy_(v)
+                self._to_host(k, v, host_k, host_v)
                 k, v = host_k, host_v
             return KVBlob(k=k, v=v, num_tokens=num_tokens)
         k, v = kv_views(into[: self.blob_nbytes(num_tokens)], shape, self.shape.dtype)
@@ -117,9 +125,38 @@ class KVCache:
 
     def import_(self, block_table: list[int], blob: KVBlob) -> None:
         """Write the blob's tokens into these blocks (which must hold blob.num_tokens)."""
+        if self.k.is_cuda and not blob.k.is_cuda:
+            with self._staging_lock:
+                staged_k, staged_v = self._staged(blob.nbytes, tuple(blob.k.shape), blob.k.dtype)
+                staged_k.copy_(blob.k)
+                staged_v.copy_(blob.v)
+                k = staged_k.to(self.k.device, self.k.dtype, non_blocking=True)
+                v = staged_v.to(self.v.device, self.v.dtype, non_blocking=True)
+                self._copy_blocks(block_table, blob.num_tokens, k, v, is_export=False)
+                torch.cuda.current_stream(self.k.device).synchronize()  # before reusing staging
+            return
         k = blob.k.to(self.k.device, self.k.dtype).contiguous()
         v = blob.v.to(self.v.device, self.v.dtype).contiguous()
         self._copy_blocks(block_table, blob.num_tokens, k, v, is_export=False)
+
+    def _to_host(self, k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor,
+                 host_v: torch.Tensor) -> None:
+        """Device k, v -> host tensors, through pinned staging with non-blocking copies."""
+        with self._staging_lock:
+            staged_k, staged_v = self._staged(k.nbytes + v.nbytes, tuple(k.shape), k.dtype)
+            staged_k.copy_(k, non_blocking=True)
+            staged_v.copy_(v, non_blocking=True)
+            torch.cuda.current_stream(k.device).synchronize()
+            host_k.copy_(staged_k)
+            host_v.copy_(staged_v)
+
+    def _staged(self, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views of the pinned staging buffer, grown (doubling) to hold nbytes."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            size = max(nbytes, 2 * (0 if self._staging is None else self._staging.numel()))
+            self._staging = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        return kv_views(self._staging[:nbytes], shape, dtype)
 
     def _blob_shape(self, num_tokens: int) -> tuple[int, ...]:
         s = self.shape

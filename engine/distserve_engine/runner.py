@@ -19,6 +19,7 @@ from distserve_engine.config import (
     DEFAULT_CUDA_KV_FRACTION,
     EngineConfig,
 )
+from distserve_engine.cuda_graphs import DecodeGraphs
 from distserve_engine.errors import EngineError, PromptTooLongError
 from distserve_engine.kv_cache import KVBlob, KVCache, KVCacheShape, num_blocks_for_budget
 from distserve_engine.loader import iter_weights, load_model_config, resolve_checkpoint
@@ -60,6 +61,11 @@ class ModelRunner:
                                  config.max_model_len or self.model_config.max_position)
         self.kv_cache = self._build_kv_cache()
         self.num_blocks = self.kv_cache.num_blocks
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_cache, config.max_num_seqs,
+            -(-self.max_model_len // config.block_size), config.block_size,
+            self.kv_cache.scratch_block,
+        ) if self._is_graphed else None
         self.block_manager = BlockManager(self.num_blocks, config.block_size)
         self.sampler = Sampler(config.seed)
         self.stop_checker = StopChecker(self.tokenizer, self.max_model_len)
@@ -85,7 +91,12 @@ class ModelRunner:
         else:
             budget_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = num_blocks_for_budget(shape, budget_bytes, self.max_model_len)
-        return KVCache(shape, num_blocks, self.device)
+        return KVCache(shape, num_blocks, self.device, num_scratch_blocks=int(self._is_graphed))
+
+    @property
+    def _is_graphed(self) -> bool:
+        c = self.config
+        return c.enable_cuda_graphs and c.device_type == "cuda" and c.world_size == 1
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -126,7 +137,8 @@ class ModelRunner:
         self.block_manager.reserve(seqs, [s.num_tokens for s in seqs])
         meta = self._metadata(seqs, [s.num_tokens - 1 for s in seqs], [1] * len(seqs))
         input_ids = torch.tensor([s.last_token_id for s in seqs], device=self.device)
-        return self._step(seqs, input_ids, meta)
+        graphs = self.decode_graphs
+        return self._step(seqs, input_ids, meta, graphs if graphs and graphs.can_run(meta) else None)
 
     def _check_batch_size(self, seqs: list[Sequence]) -> None:
         if not seqs:
@@ -151,14 +163,14 @@ class ModelRunner:
         return build_metadata(starts, num_new, tables, self.config.block_size, self.device)
 
     @torch.inference_mode()
-    def _step(self, seqs: list[Sequence], input_ids: torch.Tensor, meta: AttentionMetadata
-              ) -> list[int]:
+    def _step(self, seqs: list[Sequence], input_ids: torch.Tensor, meta: AttentionMetadata,
+              forward: DecodeGraphs | None = None) -> list[int]:
         state = self.parallel
         x = input_ids
         if not state.is_first_stage:
             hidden_size = self.model_config.hidden_size
             x = recv_from_prev_stage((len(input_ids), hidden_size), self.dtype, self.device, state)
-        hidden = self.model(x, meta, self.kv_cache)  # (T, hidden)
+        hidden = (forward or self.model)(x, meta, self.kv_cache)  # (T, hidden)
         token_ids = [0] * len(seqs)
         if state.is_last_stage:
             self.last_logits = self.model.compute_logits(hidden[meta.logits_index])  # (B, V)
