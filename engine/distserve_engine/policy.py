@@ -13,7 +13,9 @@ words and held equal by `tests/control/test_conformance.py`:
   KV is short, the most recently admitted request is preempted (recompute, vLLM's
   default): its KV is freed and it goes back to the front of its instance's queue;
 - a waiting request is admitted, first come first served, when the batch is below its
-  maximum size and the KV its next step needs is free (`can_admit`);
+  maximum size and the KV its next step needs is free beside what the running requests'
+  next step needs and what is promised to pulls in flight (`can_admit`); `max_tokens`
+  is not read;
 - a preempted request, admitted again, is prefilled again on the same instance (prompt
   and generated tokens), and that prefill samples its next token.
 

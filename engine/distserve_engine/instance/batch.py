@@ -4,8 +4,8 @@ Shared by the decode instance and the colocated instance; the rule is vLLM's def
 written once in `distserve_engine.policy` and followed by the simulator too:
 - `Admission`: a waiting request joins when the batch is below its maximum size and the
   blocks its next step needs are free beside those the running requests' next step
-  needs and those promised to KV pulls in flight;
-  `max_tokens` is not read, so a client that sets it loosely costs nothing;
+  needs and those promised to KV pulls in flight; `max_tokens` is not read, so a
+  client that sets it loosely costs nothing;
 - `DecodeBatch.step`: before each decode step every running request gets the blocks its
   newest token needs, in the order they were admitted; when the free blocks run out, the
   most recently admitted request is preempted: its blocks are freed and the instance puts
