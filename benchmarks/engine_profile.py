@@ -30,10 +30,12 @@ GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmu
 # (module, attribute, label): engine functions whose operators are bucketed by label.
 LABELLED = [
     ("distserve_engine.attention", "build_metadata", "metadata"),
-    ("distserve_engine.attention", "_gather_context", "context gather"),
+    ("distserve_engine.attention", "gather_context", "context gather"),
     ("distserve_engine.attention", "write_kv", "kv write"),
     ("distserve_engine.attention", "paged_attention", "attention other"),
     ("distserve_engine.models.layers", "RotaryEmbedding.forward", "rotary"),
+    ("distserve_engine.models.layers", "RotaryEmbedding.table", "rotary"),
+    ("distserve_engine.models.layers", "RotaryEmbedding.rotate_", "rotary"),
     ("distserve_engine.models.layers", "RMSNorm.forward", "norms"),
     ("distserve_engine.models.base", "CausalLM.compute_logits", "lm head"),
     ("distserve_engine.sampling", "Sampler.__call__", "sampling"),
@@ -138,13 +140,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--only", choices=["decode", "prefill"], help="profile one kind of step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for entry in LABELLED:
         _wrap(*entry)
     runner = engine_runner("float32")
-    cases = [(f"decode batch={b} ctx~64", *decode_case(runner, b, 64, args.steps)) for b in (1, 8, 32)]
-    cases += [(f"prefill {n}x{b}", *prefill_case(runner, b, n)) for n, b in ((64, 32), (512, 4))]
+    cases = []
+    if args.only != "prefill":
+        cases += [(f"decode batch={b} ctx~64", *decode_case(runner, b, 64, args.steps)) for b in (1, 8, 32)]
+    if args.only != "decode":
+        cases += [(f"prefill {n}x{b}", *prefill_case(runner, b, n)) for n, b in ((64, 32), (512, 4))]
     for name, run, cleanup in cases:
         ms = plain_ms(run, args.steps)
         buckets, ops, wall_ms = profile_steps(run, args.steps)

@@ -1,9 +1,18 @@
 """Prefill and decode tokens/s of the engine vs `transformers` generate, SmolLM2-135M, CPU.
 
 Both run the same weights on the same prompts in this process, with the same torch
-thread count. The machine is shared, so each measurement alternates engine and
-transformers `--repeats` times and keeps the best rate of each. Decode tokens/s = batch * steps / decode time; for transformers the decode
-time is generate(steps + 1 new tokens) minus generate(1 new token).
+thread count. The machine is shared, so each measurement alternates engine,
+transformers and the rooflines `--repeats` times; rates are medians over the rounds and
+each ratio the median of the rounds' own ratios (with their range).
+Decode tokens/s = batch * steps / decode time; for transformers the times come from one
+generate call, a stopping criterion noting when each token arrives.
+
+Each line also prints what it is measured against, timed in the same rounds:
+- gemm: the rate if a step did nothing but its matrix multiplies (the engine's own
+  weights, its layout, the step's row count: batch for decode, batch * prompt for
+  prefill), and the engine's share of it;
+- mem (batch 1 decode): the rate if a step only read the weights once at the measured
+  copy bandwidth (bytes read + written per second of a 256 MiB tensor copy).
 
     python benchmarks/engine_throughput.py [--dtype float32|bfloat16] [--threads N]
 """
@@ -12,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -37,21 +47,71 @@ def engine_rates(runner, prompts: list[list[int]], steps: int) -> tuple[float, f
     return sum(map(len, prompts)) / prefill_s, len(prompts) * steps / decode_s
 
 
+class _Clock:
+    """A stopping criterion that never stops generation and notes when each token came."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
 @torch.inference_mode()
 def hf_rates(model, prompts: list[list[int]], steps: int) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) of transformers generate (greedy, no early stop)."""
+    """(prefill tok/s, decode tok/s) of transformers generate (greedy, no early stop), both
+    from one call: prefill until the first token, decode from there to the last."""
+    from transformers import StoppingCriteriaList
+
     ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
+    clock = _Clock()
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1,
+                   min_new_tokens=steps + 1, do_sample=False, pad_token_id=2,
+                   stopping_criteria=StoppingCriteriaList([clock]))
+    decode_s = clock.times[-1] - clock.times[0]
+    return ids.numel() / (clock.times[0] - start), len(prompts) * (len(clock.times) - 1) / decode_s
 
-    def run(new_tokens: int) -> float:
-        start = time.perf_counter()
-        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=2)
-        return time.perf_counter() - start
 
-    prefill_s = run(1)
-    total_s = run(steps + 1)
-    return ids.numel() / prefill_s, len(prompts) * steps / max(total_s - prefill_s, 1e-9)
+def linear_weights(runner) -> list[torch.Tensor]:
+    """Every weight a step multiplies by, in the layout the engine multiplies it in."""
+    weights = []
+    for module in runner.model.modules():
+        weight = getattr(module, "weight_t", None)
+        if weight is not None:
+            weights.append(weight)  # (in, out)
+    head = runner.model.lm_head
+    if getattr(head, "weight_t", None) is None:
+        weights.append(head.weight.t())  # the tied embedding, (vocab, hidden) seen as (in, out)
+    return weights
+
+
+def gemm_rate(weights: list[torch.Tensor], rows: int, head_rows: int) -> float:
+    """Tokens/s of a step that only ran its GEMMs: `rows` through every layer's
+    weights and `head_rows` through the LM head (the last weight)."""
+    inputs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=w.dtype) for w in weights}
+    head_input = torch.randn(head_rows, weights[-1].shape[0], dtype=weights[-1].dtype)
+    start = time.perf_counter()
+    for weight in weights[:-1]:
+        torch.mm(inputs[weight.shape[0]], weight)
+    torch.mm(head_input, weights[-1])
+    return rows / (time.perf_counter() - start)
+
+
+def copy_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes read plus written per second by one large tensor copy."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages first
+    start = time.perf_counter()
+    dst.copy_(src)
+    return 2 * nbytes / (time.perf_counter() - start)
+
+
+def load() -> str:
+    """The 1-minute load average, as printed beside each figure."""
+    return f"load={os.getloadavg()[0]:.1f}"
 
 
 def main() -> None:
@@ -66,21 +126,47 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     runner = engine_runner(args.dtype)
     model = hf_model(runner, runner.dtype)
+    weights = linear_weights(runner)
+    unique = {t.data_ptr(): t for t in [*runner.model.parameters(), *weights]}
+    weight_bytes = sum(t.nbytes for t in unique.values())
     print(f"# SmolLM2-135M {args.dtype} CPU, torch threads={args.threads}, prompt_len="
-          f"{args.prompt_len}, decode steps={args.steps}, loadavg={os.getloadavg()[0]:.1f}")
+          f"{args.prompt_len}, decode steps={args.steps}, weights {weight_bytes / 2**20:.0f} MiB, "
+          f"{load()}")
     engine_rates(runner, random_prompts(2, 16, seed=99), 2)  # warm-up
     hf_rates(model, random_prompts(2, 16, seed=99), 2)
     for batch in args.batches:
         prompts = random_prompts(batch, args.prompt_len, seed=batch)
-        engine_runs, hf_runs = [], []
-        for _ in range(args.repeats):
-            engine_runs.append(engine_rates(runner, prompts, args.steps))
-            hf_runs.append(hf_rates(model, prompts, args.steps))
-        e_prefill, e_decode = map(max, zip(*engine_runs, strict=True))
-        h_prefill, h_decode = map(max, zip(*hf_runs, strict=True))
-        print(f"batch={batch:3d}  decode tok/s engine={e_decode:8.1f} transformers={h_decode:8.1f}"
-              f" ratio={e_decode / h_decode:5.2f}x | prefill tok/s engine={e_prefill:8.1f} "
-              f"transformers={h_prefill:8.1f} ratio={e_prefill / h_prefill:5.2f}x")
+        rounds = []  # per round: engine, transformers, gemm-only, memory bound rates
+        for repeat in range(args.repeats):
+            if repeat % 2:  # alternate who goes first, so neither always meets the same load
+                h_prefill, h_decode = hf_rates(model, prompts, args.steps)
+                e_prefill, e_decode = engine_rates(runner, prompts, args.steps)
+            else:
+                e_prefill, e_decode = engine_rates(runner, prompts, args.steps)
+                h_prefill, h_decode = hf_rates(model, prompts, args.steps)
+            g_prefill, g_decode = (gemm_rate(weights, batch * args.prompt_len, batch),
+                                   gemm_rate(weights, batch, batch))
+            mem = copy_bandwidth() / weight_bytes
+            rounds.append(((e_decode, h_decode, g_decode, mem), (e_prefill, h_prefill, g_prefill)))
+        for kind, index in (("decode", 0), ("prefill", 1)):
+            is_memory_bound = batch == 1 and kind == "decode"
+            print(f"batch={batch:3d} {kind:7s} {summary([r[index] for r in rounds], is_memory_bound)}"
+                  f" {load()}", flush=True)
+
+
+def summary(rounds: list[tuple[float, ...]], with_memory_bound: bool) -> str:
+    """Rates as medians over the rounds; each ratio the median of the rounds' own ratios
+    (each round timed its figures back to back, so the load it saw is shared), its range."""
+    def ratio(i: int, j: int) -> str:
+        values = sorted(r[i] / r[j] for r in rounds)
+        return f"{statistics.median(values):4.2f}x [{values[0]:4.2f}-{values[-1]:4.2f}]"
+
+    engine, hf, gemm = (statistics.median(r[i] for r in rounds) for i in range(3))
+    line = (f"tok/s engine={engine:7.1f} transformers={hf:7.1f} ratio={ratio(0, 1)} "
+            f"| gemm-only={gemm:7.1f} share={ratio(0, 2)}")
+    if with_memory_bound:
+        line += f" | memory bound={statistics.median(r[3] for r in rounds):6.1f} share={ratio(0, 3)}"
+    return line
 
 
 if __name__ == "__main__":
