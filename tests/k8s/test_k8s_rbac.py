@@ -93,7 +93,7 @@ async def drive_lifecycle(api: ApiClient, emulator) -> None:
         "engine": {"serviceType": "NodePort"},
         "networkPolicy": {"apiFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}}})
     await _wait(lambda: _service_type(api, "NodePort"))
-    await _wait(lambda: _router_policy_names(api, "10.0.0.0/8"))
+    await _wait(lambda: _router_policy_admits(api, "10.0.0.0/8"))
     await api.delete("DistServeDeployment", NAMESPACE, "opt")
     await _wait(lambda: _all_gone(api, "opt"))
 
@@ -189,7 +189,7 @@ async def _service_type(api, kind):
     return found and found["spec"].get("type") == kind
 
 
-async def _router_policy_names(api, cidr):
+async def _router_policy_admits(api, cidr):
     """Whether the router's NetworkPolicy lets `cidr` in."""
     found = await api.get("NetworkPolicy", NAMESPACE, "opt-router")
     peers = found["spec"]["ingress"][0].get("from", []) if found else []
