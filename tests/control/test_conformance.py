@@ -352,6 +352,7 @@ def sim_pick(decodes: list[tuple[str, int, float]], max_batch: int) -> int:
     """The decode instance the simulator hands a request from the node-"a" prefill to."""
     trace = make_trace(Case("one", (10,), (2,), 1, kv_tokens=1000))
     sim = sim_disaggregated._Sim(trace, None)
+    sim.max_decode_batch = max_batch
     fast, slow = 1e11, 1e8
     links = [[fast if node == "a" else slow for node, _, _ in decodes]]
     transfer = TransferModel(1.0, links)

@@ -144,7 +144,8 @@ class DecodeRun:
     """
 
     __slots__ = (
-        "loop", "batch", "on_boundary", "is_stepping", "is_cut", "target_step", "version"
+        "loop", "batch", "on_boundary", "is_stepping", "is_cut", "target_step", "version",
+        "decide_step",
     )
 
     def __init__(self, loop, timer: StageTimer, on_boundary) -> None:
@@ -155,6 +156,7 @@ class DecodeRun:
         self.is_cut = False  # the run already ends at the first boundary after a cut
         self.target_step = 0
         self.version = 0  # bumped to cancel a scheduled run end
+        self.decide_step: int | None = None  # set while an admission decides mid-run
 
     def start(self, budget_tokens: int) -> None:
         """Step from now to the next finish or the last step within budget_tokens (the
@@ -171,18 +173,24 @@ class DecodeRun:
         if not self.is_stepping:
             return
         batch = self.batch
-        reached = batch.steps_by(self.loop.now - batch.time_s)
-        steps = max(reached, batch.steps_within(budget_tokens))
+        within = batch.steps_within(budget_tokens)
+        if batch.step + within >= self.target_step:
+            return  # the run fits as planned
+        steps = max(batch.steps_by(self.loop.now - batch.time_s), within)
         if batch.step + steps < self.target_step:
             self._end_at(batch.step + steps, batch.time_s + batch.duration_s(steps))
 
-    def tokens_now(self) -> int:
-        """KV tokens the batch holds at its first boundary at or after now."""
-        batch = self.batch
-        if not self.is_stepping:
-            return batch.total_context()
-        reached = min(batch.steps_by(self.loop.now - batch.time_s), self.target_step - batch.step)
-        return batch.context_at(batch.step + reached)
+    def tokens_held(self) -> int:
+        """KV tokens the batch holds at its next step, or, while stepping, at the end of
+        the current run.
+        # NOTE: the end of the run, not now: what another lane or a newcomer may use must
+        # stay free until this run ends, and it is one product instead of a root finding.
+        """
+        if self.decide_step is not None:
+            return self.batch.context_at(self.decide_step)
+        if self.is_stepping:
+            return self.batch.context_at(self.target_step)
+        return self.batch.total_context()
 
     def cut_short(self) -> None:
         """End the current run at the first boundary at or after now."""

@@ -42,7 +42,11 @@ class _Instance:
 
     def budget_tokens(self, lane: _Lane | None = None) -> int:
         """KV tokens free for `lane`'s batch (for a newcomer when None)."""
-        others = sum(x.run.tokens_now() for x in self.lanes if x is not lane)
+        lanes = self.lanes
+        if len(lanes) == 1:
+            others = 0 if lane is not None else lanes[0].run.tokens_held()
+        else:
+            others = sum(x.run.tokens_held() for x in lanes if x is not lane)
         return self.inst.kv_capacity_tokens - self.promised_tokens - others
 
     def can_admit(self, rid: int) -> bool:

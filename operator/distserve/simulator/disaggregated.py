@@ -72,6 +72,7 @@ class _Sim:
         self.decodes: list[_Decode] = []
         self.nearest_decodes: list[set[int]] = []  # per prefill: decodes on its fastest link
         self.is_prefill_only = False
+        self.max_decode_batch = 0
 
     def arrive(self, rid: int) -> None:
         if self.prefills:
@@ -99,10 +100,11 @@ class _Sim:
         room anywhere, else any."""
         decodes = self.decodes
         if len(decodes) > 1:
-            roomy = [d for d in decodes if d.has_room()]
+            loads = [(d.load(), d.kv_usage(), d.idx) for d in decodes]
+            roomy = [x for x in loads if policy.has_decode_room(x[0], x[1], self.max_decode_batch)]
             near = self.nearest_decodes[prefill_idx] if prefill_idx >= 0 else None
-            local = [d for d in roomy if near is None or d.idx in near]
-            decodes = [min(local or roomy or decodes, key=lambda d: (d.load(), d.kv_usage()))]
+            local = [x for x in roomy if near is None or x[2] in near]
+            decodes = [decodes[min(local or roomy or loads)[2]]]
         decodes[0].offer(rid, prefill_idx)
 
 
@@ -172,6 +174,7 @@ class _Decode:
         self.pending: deque[tuple[int, int]] = deque()  # (rid, prefill idx or RECOMPUTE)
         self.promised_tokens = 0  # admitted, not yet in a lane's batch
         self.count = 0  # admitted and not finished or preempted
+        self.is_decide_due = False  # an admission is scheduled at a lane's next boundary
         self.link_free_s = 0.0
         self.lanes = [_Lane(sim, self) for _ in range(inst.pp)]
         self.s_per_token = [
@@ -185,15 +188,16 @@ class _Decode:
 
     def budget_tokens(self, lane: _Lane | None = None) -> int:
         """KV tokens free for `lane`'s batch (for a newcomer when None)."""
-        others = sum(x.run.tokens_now() for x in self.lanes if x is not lane)
+        lanes = self.lanes
+        if len(lanes) == 1:
+            others = 0 if lane is not None else lanes[0].run.tokens_held()
+        else:
+            others = sum(x.run.tokens_held() for x in lanes if x is not lane)
         return self.inst.kv_capacity_tokens - self.promised_tokens - others
 
     def kv_usage(self) -> float:
         """Share of KV held or promised, as the instance reports it."""
         return 1.0 - self.budget_tokens() / max(1, self.inst.kv_capacity_tokens)
-
-    def has_room(self) -> bool:
-        return policy.has_decode_room(self.load(), self.kv_usage(), self.max_batch)
 
     def offer(self, rid: int, prefill_idx: int) -> None:
         """Queue a prefilled request; it is admitted now if a lane is idle, else at the
@@ -201,10 +205,36 @@ class _Decode:
         self.pending.append((rid, prefill_idx))
         if any(lane.is_idle() for lane in self.lanes):
             self.try_admit()
-            return
+        elif not self.is_decide_due:
+            self._decide_at_next_boundary()
+
+    def _decide_at_next_boundary(self) -> None:
+        """Schedule admission at the first iteration boundary of a stepping lane, without
+        ending its run (a run's own end admits anyway).
+        # NOTE: between two finishes only growth changes, which never makes room, so
+        # deciding again at every later step, as the engine does, would admit nothing.
+        """
+        now, best = self.sim.loop.now, None
         for lane in self.lanes:
-            if lane.run.is_stepping:
-                lane.run.cut_short()
+            run, batch = lane.run, lane.run.batch
+            if not run.is_stepping:
+                continue  # busy with a recompute: its end decides
+            steps = batch.steps_by(now - batch.time_s)
+            if batch.step + steps < run.target_step:
+                time_s = batch.time_s + batch.duration_s(steps)
+                if best is None or time_s < best[0]:
+                    best = (time_s, lane, run.version, batch.step + steps)
+        if best is not None:
+            self.is_decide_due = True
+            self.sim.loop.at(best[0], self._decide, *best[1:])
+
+    def _decide(self, lane: _Lane, version: int, step: int) -> None:
+        self.is_decide_due = False
+        if lane.run.version != version:
+            return  # the run ended meanwhile: its boundary admitted
+        lane.run.decide_step = step  # the lane holds its context at this boundary
+        self.try_admit()
+        lane.run.decide_step = None
 
     def try_admit(self) -> None:
         """Admit the head of the queue while it fits: start its pull, or hand it to a
@@ -343,6 +373,7 @@ def simulate_disaggregated(
         _Decode(sim, i, m, max_decode_batch, transfer, pps) for i, m in enumerate(decode)
     ]
     sim.is_prefill_only = not decode
+    sim.max_decode_batch = max_decode_batch
     for p in range(len(sim.prefills)):
         fastest = min((d.s_per_token[p] for d in sim.decodes), default=0.0)
         sim.nearest_decodes.append({d.idx for d in sim.decodes if d.s_per_token[p] == fastest})
