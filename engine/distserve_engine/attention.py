@@ -141,14 +141,21 @@ def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     num_heads, num_kv_heads = queries.shape[2], keys.shape[2]
     is_gqa = num_heads != num_kv_heads
     if is_gqa and queries.is_cuda and mask is not None:
-        # NOTE: CUDA's fused kernels take a mask or GQA but not both; expand KV heads instead.
-        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=2)  # (B, K, H, D)
-        values = values.repeat_interleave(num_heads // num_kv_heads, dim=2)
+        # NOTE: CUDA's fused kernels take a mask or GQA but not both; expand KV heads instead
+        # (expand and reshape, as repeat_interleave does, with no host sync: graph-safe).
+        keys, values = (_repeat_kv_heads(t, num_heads // num_kv_heads) for t in (keys, values))
         is_gqa = False
     return F.scaled_dot_product_attention(
         queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=is_gqa,
     )  # (B, H, Q, D)
+
+
+def _repeat_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """(B, K, Hkv, D) -> (B, K, Hkv * group, D), each KV head repeated for its query heads."""
+    batch, num_keys, num_kv_heads, head_dim = x.shape
+    expanded = x[:, :, :, None, :].expand(batch, num_keys, num_kv_heads, group, head_dim)
+    return expanded.reshape(batch, num_keys, num_kv_heads * group, head_dim)
 
 
 def _attend_new(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
