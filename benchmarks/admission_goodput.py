@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import time
 
@@ -27,6 +28,7 @@ from distserve.local.load import drive
 from distserve.local.settings import find_model_path, serve_settings
 from distserve.spec import load_manifest
 from distserve.workload import Request
+from distserve_engine.server.settings import Slo
 
 PROMPT_TOKENS = (64, 192)
 OUTPUT_TOKENS = (8, 16)
@@ -75,7 +77,7 @@ def run_mode(label: str, settings: dict, rate_rps: float, capacity_rps: float, a
     """Warm-up, then REPEATS overloaded runs; the goodputs."""
     goodputs = []
     with LocalLauncher(settings, port=PORT) as launcher:
-        model = settings["model_name"]
+        model = settings.model_name
         run(launcher.url, model, make_requests(capacity_rps / 2, 20, 99))  # warm-up
         for repeat in range(args.repeats):
             requests = make_requests(rate_rps, args.requests, seed=repeat)
@@ -101,9 +103,9 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()}; cores: {sorted(os.sched_getaffinity(0))}",
           flush=True)
     base = serve_settings(spec, {"prefill": 1, "decode": 1}, "bench", path)
-    base["max_waiting_requests"] = 1024  # only the TTFT prediction refuses
+    base.max_waiting_requests = 1024  # only the TTFT prediction refuses
     with LocalLauncher(base, port=PORT) as launcher:
-        ttft_s, tpot_s, capacity_rps = calibrate(launcher.url, base["model_name"])
+        ttft_s, tpot_s, capacity_rps = calibrate(launcher.url, base.model_name)
     slo = (TTFT_SCALE * ttft_s, TPOT_SCALE * tpot_s)
     rate_rps = args.overload * capacity_rps
     print(f"calibration: unloaded TTFT {ttft_s:.3f} s, TPOT {tpot_s:.4f} s, capacity "
@@ -112,7 +114,7 @@ def main() -> None:
           f"{args.requests} requests x {args.repeats} runs per mode", flush=True)
     results = {}
     for label, is_on in (("off", False), ("on", True)):
-        settings = {**base, "slo": {"ttft_s": slo[0], "tpot_s": slo[1]}, "admit_by_ttft": is_on}
+        settings = dataclasses.replace(base, slo=Slo(*slo), admit_by_ttft=is_on)
         results[label] = run_mode(label, settings, rate_rps, capacity_rps, args, slo)
     for label, goodputs in results.items():
         g = np.array(goodputs)

@@ -36,6 +36,7 @@ from distserve.local.report import summarize
 from distserve.local.settings import find_model_path, serve_settings
 from distserve.spec import load_manifest
 from distserve.workload import Request
+from distserve_engine.server.settings import ServeSettings
 
 PROMPT_TOKENS = (512, 1024)  # summarization shape, scaled: long prompts ...
 OUTPUT_TOKENS = (16, 32)  # ... short outputs
@@ -89,15 +90,15 @@ def make_requests(rate_rps: float, num: int, seed: int) -> list[Request]:
                     int(rng.integers(*OUTPUT_TOKENS))) for i in range(num)]
 
 
-def run_config(label: str, settings: dict, rates: list[float], num: int, slo: tuple[float, float]) -> float:
+def run_config(label: str, settings: ServeSettings, rates: list[float], num: int, slo: tuple[float, float]) -> float:
     """Attainment at each rate, low to high; return the goodput."""
     goodput = 0.0
     with LocalLauncher(settings, port=PORT) as launcher:
         warmup = make_requests(0.5, 2, 99)
-        asyncio.run(drive(launcher.url, settings["model_name"], warmup, show_progress=False))
+        asyncio.run(drive(launcher.url, settings.model_name, warmup, show_progress=False))
         for rate in rates:
             started_s = time.monotonic()
-            outcomes = asyncio.run(drive(launcher.url, settings["model_name"], make_requests(rate, num, 0),
+            outcomes = asyncio.run(drive(launcher.url, settings.model_name, make_requests(rate, num, 0),
                                          show_progress=False))
             s = summarize(outcomes, rate, *slo)
             print(f"{label:<14} rate {rate:.3f} req/s  attainment {s.attainment:6.1%}  "

@@ -113,11 +113,11 @@ def main() -> None:
     args = parser.parse_args()
     spec = load_manifest("examples/local.yaml").spec
     settings = serve_settings(spec, {"prefill": 1, "decode": 1}, "soak", find_model_path(spec))
-    settings["max_waiting_requests"] = 1024
+    settings.max_waiting_requests = 1024
     print(f"load average before: {os.getloadavg()}; shm files before: {shm_files()}", flush=True)
     shm_before = shm_files()
     with LocalLauncher(settings, port=PORT) as launcher:
-        model = settings["model_name"]
+        model = settings.model_name
         rate_rps = args.rate
         if rate_rps is None:
             _, _, capacity_rps = calibrate(launcher.url, model)

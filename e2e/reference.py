@@ -13,7 +13,7 @@ from distserve_engine.sampling import SamplingParams
 from distserve_engine.server.settings import ServeSettings
 
 config_path, prompt, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
-runner = ModelRunner(ServeSettings.load(config_path).engine_config())
+runner = ModelRunner(ServeSettings.load(config_path).engine)
 params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 (seq,) = generate(runner, [runner.tokenizer.encode(prompt)], params)
 print(runner.tokenizer.decode(seq.output_token_ids), end="")

@@ -7,16 +7,15 @@ fails at construction with a message naming the field.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from distserve_engine.errors import EngineError
 
-NAME_TO_DTYPE = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+if TYPE_CHECKING:
+    import torch
+
+# NOTE: this module imports no torch, so a settings document can be built and checked
+# where torch is not installed (the operator's image).
 # NOTE: fp16 matmuls on CPU are slow or unsupported for some ops; bf16 is the CPU half.
 DEVICE_TO_DTYPES = {
     "cpu": ("float32", "bfloat16"),
@@ -70,9 +69,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The dtype of weights and KV cache."""
+        import torch
+
         if self.dtype == "auto":
             return torch.float32 if self.device_type == "cpu" else torch.bfloat16
-        return NAME_TO_DTYPE[self.dtype]
+        return getattr(torch, self.dtype)
 
     @property
     def world_size(self) -> int:

@@ -4,6 +4,7 @@ while the traffic shifts from short to long prompts."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -20,6 +21,7 @@ from test_up import CLI, _is_free, free_port_block
 
 from distserve.local.launcher import LocalLauncher
 from distserve.local.reshuffle import reshuffle, router_instances
+from distserve_engine.server.settings import Parallelism, PlanInfo
 
 
 class SteadyLoad:
@@ -76,11 +78,13 @@ def test_reshuffle_under_load_replaces_and_adds_instances_losing_nothing(tiny_mo
     prefill parallelism (prefill-0 replaced by a tp2 prefill-1, drained while serving),
     then a second decode instance (both kept, one started)."""
     plan = {"id": "plan-a", "prefill": "tp1pp1x1", "decode": "tp1pp1x1"}
-    settings = make_settings(tiny_model, deployment="reshuffled", plan=plan).to_dict()
-    new_parallel = {**settings, "parallel": {"prefill": {"tp": 2, "pp": 1}},
-                    "plan": {"id": "plan-b", "prefill": "tp2pp1x1", "decode": "tp1pp1x1"}}
-    more_decode = {**new_parallel, "instances": {"prefill": 1, "decode": 2},
-                   "plan": {"id": "plan-c", "prefill": "tp2pp1x1", "decode": "tp1pp1x2"}}
+    settings = make_settings(tiny_model, deployment="reshuffled", plan=plan)
+    new_parallel = dataclasses.replace(
+        settings, parallel={"prefill": Parallelism(tp=2, pp=1)},
+        plan=PlanInfo("plan-b", prefill="tp2pp1x1", decode="tp1pp1x1"))
+    more_decode = dataclasses.replace(
+        new_parallel, instances={"prefill": 1, "decode": 2},
+        plan=PlanInfo("plan-c", prefill="tp2pp1x1", decode="tp1pp1x2"))
     with LocalLauncher(settings, port=free_port_block(3)) as launcher:
         old_prefill = next(p for p in launcher.procs if p.name == "prefill-0")
         with SteadyLoad(launcher.url) as load:

@@ -38,7 +38,7 @@ def test_one_trace_at_three_rates_around_the_knee_measured_beside_simulated(num_
     client, launched = FakeClient(), []
 
     def launch(settings, port):
-        launched.append(settings["instances"])
+        launched.append(settings.instances)
         return contextlib.nullcontext(SimpleNamespace(url=f"http://127.0.0.1:{port}"))
 
     rows = compare_deployment(spec, None, "local", "/model", num_colocated, trace, None, 18000,

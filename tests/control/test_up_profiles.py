@@ -7,6 +7,7 @@ tests/serving/test_up_profile.py); the cache lives under a temporary XDG_CACHE_H
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 from pathlib import Path
@@ -17,9 +18,10 @@ import yaml
 from distserve.local.machine import Machine
 from distserve.local.profiles import choose_profile
 from distserve.spec import load_manifest
+from distserve_engine.config import EngineConfig
 
-ENGINE = {"model": "/models/smollm2", "device": "cpu", "dtype": "auto", "block_size": 16,
-          "max_model_len": 2048, "seed": 0}
+ENGINE = EngineConfig(model="/models/smollm2", device="cpu", dtype="auto", block_size=16,
+                      max_model_len=2048, seed=0)
 OTHER_CPU = "Test CPU 9000 (not this one)"
 SHIPPED_PROFILE = Path(__file__).parents[2] / "examples" / "profiles" / "cpu-smollm2-135m.json"
 
@@ -95,7 +97,7 @@ def test_a_change_the_timings_depend_on_measures_anew(tmp_path):
     measure = FakeMeasure()
     choose_profile(make_spec(tmp_path), ENGINE, None, True, measure, print)
     choose_profile(make_spec(tmp_path, max_decode_batch=8), ENGINE, None, True, measure, print)
-    choose_profile(make_spec(tmp_path), {**ENGINE, "dtype": "bfloat16"}, None, True, measure, print)
+    choose_profile(make_spec(tmp_path), dataclasses.replace(ENGINE, dtype="bfloat16"), None, True, measure, print)
     assert len(set(measure.paths)) == 3
 
 
@@ -140,7 +142,7 @@ def test_a_failed_measurement_falls_back_to_the_spec_profile_with_a_warning(tmp_
 
 def test_on_a_gpu_nothing_is_measured(tmp_path):
     measure = FakeMeasure()
-    source = choose_profile(make_spec(tmp_path), {**ENGINE, "device": "cuda"}, None, True, measure, print)
+    source = choose_profile(make_spec(tmp_path), dataclasses.replace(ENGINE, device="cuda"), None, True, measure, print)
     assert measure.paths == [] and source.path is None
 
 

@@ -154,7 +154,8 @@ def test_router_peers_leave_out_draining_instances_carry_nodes_and_do_not_roll_t
         {**e, "draining": e["role"] == "decode" and e["instance"] == 1} for e in live])
     settings = json.loads(router.build_router_config_map_spec(owner, revision.spec, config)["data"]["serve.json"])
     assert settings["peers"]["prefill"][0] == {
-        "name": f"prefill-0-{revision.id}", "url": live[0]["url"], "node": "gpu-node-a"}
+        "name": f"prefill-0-{revision.id}", "url": live[0]["url"], "node": "gpu-node-a",
+        "draining": False}
     # Algorithm 2's placement: decode instance i shares prefill instance i's node.
     assert [p["node"] for p in settings["peers"]["decode"]] == ["gpu-node-a", "gpu-node-b"]
     assert len(router.router_peers(drained)["decode"]) == 1

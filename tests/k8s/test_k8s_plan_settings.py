@@ -29,4 +29,5 @@ def test_instance_and_router_settings_name_the_plan_and_its_predictions():
     assert settings.plan_metrics()["prefill"] == expected["prefill"] == "tp2pp1x1"
     # Without a plan (a fixed placement, a baseline) the document says so and still reads.
     bare = serve_settings(revision.spec, {"prefill": 1, "decode": 1}, "opt", "/models/x")
-    assert bare["plan"] is None and ServeSettings.from_dict(bare).plan_metrics() == {"plan_id": None}
+    assert bare.to_dict()["plan"] is None
+    assert ServeSettings.from_dict(bare.to_dict()).plan_metrics() == {"plan_id": None}

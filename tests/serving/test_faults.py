@@ -108,7 +108,7 @@ def expected(tiny_llama) -> dict[str, str]:
     ({"prefill": 2, "decode": 1}, "prefill-0"),
 ], ids=["decode-dies", "prefill-dies"])
 def test_instance_killed_under_load_loses_no_request(tiny_llama, expected, instances, victim):
-    settings = make_settings(tiny_llama, instances=instances, max_decode_batch=8).to_dict()
+    settings = make_settings(tiny_llama, instances=instances, max_decode_batch=8)
     with LocalLauncher(settings, port=free_port_block(4)) as launcher:
         report = burst_with_kill(launcher, victim, expected)
         assert report["lost"] == 0 and report["wrong"] == []

@@ -14,7 +14,9 @@ from serving_helpers import make_settings
 from test_up import free_port_block
 
 from distserve.local.launcher import LocalLauncher, plan_processes
+from distserve_engine.config import EngineConfig
 from distserve_engine.instance.ranks import RankLayout, layout_for
+from distserve_engine.server.settings import Parallelism, ServeSettings
 
 PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog and", "a b c"]
 
@@ -39,7 +41,7 @@ def completions(url: str, max_tokens: int = 8) -> list[str]:
 def test_multi_rank_instances_give_one_rank_tokens(tiny_llama, deployment, parallel):
     reference_url, _ = deployment
     expected = completions(reference_url)
-    settings = make_settings(tiny_llama).to_dict() | {"parallel": parallel}
+    settings = make_settings(tiny_llama, parallel=parallel)
     with LocalLauncher(settings, port=free_port_block(3)) as launcher:
         assert completions(launcher.url) == expected
         load = httpx.get(f"{launcher.procs[0].url}/load", timeout=10).json()
@@ -47,14 +49,15 @@ def test_multi_rank_instances_give_one_rank_tokens(tiny_llama, deployment, paral
 
 
 def test_launcher_gives_each_rank_a_core(tmp_path):
-    settings = {"instances": {"prefill": 1, "decode": 1}, "parallel": {"prefill": {"tp": 2, "pp": 1}}}
+    settings = ServeSettings(EngineConfig("/models/x"), instances={"prefill": 1, "decode": 1},
+                             parallel={"prefill": Parallelism(tp=2, pp=1)})
     procs = plan_processes(settings, tmp_path / "serve.json", "127.0.0.1", 9000, num_cores=4)
     assert [p.cores for p in procs] == [[0, 1], [2], None]
 
 
 def test_layout_from_settings_and_pod_env(tmp_path):
     config = tmp_path / "serve.json"
-    config.write_text('{"parallel": {"prefill": {"tp": 2, "pp": 2}}}')
+    config.write_text('{"engine": {"model": "/models/x"}, "parallel": {"prefill": {"tp": 2, "pp": 2}}}')
     local = layout_for(config, "prefill", env={})
     assert (local.world_size, local.local_ranks) == (4, [0, 1, 2, 3])
     assert local.init_method.startswith("tcp://127.0.0.1:")

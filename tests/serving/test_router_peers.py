@@ -18,6 +18,7 @@ from distserve_engine.runner import ModelRunner
 from distserve_engine.sampling import SamplingParams
 from distserve_engine.server.assembly import http_clients
 from distserve_engine.server.peers import PeerWatcher
+from distserve_engine.server.settings import Peer
 from distserve_engine.transfer import KVFetcher, inprocess
 
 
@@ -43,7 +44,8 @@ def two_pairs(tiny_llama):
 
 def write_peers(path, tiny_llama, prefill: list[str], decode: list[str]) -> None:
     """The router's settings file with these peers (names of in-process instances)."""
-    doc = make_settings(tiny_llama, peers={"prefill": prefill, "decode": decode}).to_dict()
+    peers = {"prefill": [f"{n}=local" for n in prefill], "decode": [f"{n}=local" for n in decode]}
+    doc = make_settings(tiny_llama, peers=peers).to_dict()
     path.write_text(json.dumps(doc))
 
 
@@ -51,14 +53,16 @@ def test_peers_changed_while_a_stream_is_in_flight(tiny_llama, two_pairs, tmp_pa
     path = tmp_path / "serve.json"
     write_peers(path, tiny_llama, ["pA"], ["dA"])
 
-    def make_clients(peers):
-        return {role: [LocalInstanceClient(two_pairs[n]) for n in names] for role, names in peers.items()}
+    def make_clients(peers):  # the in-process instance of each peer's name
+        return {role: [LocalInstanceClient(two_pairs[p.name]) for p in entries]
+                for role, entries in peers.items()}
 
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompt = two_pairs["pA"].runner.tokenizer.encode("the quick brown fox jumps")
 
     async def scenario():
-        router = Router(*make_clients({"prefill": ["pA"], "decode": ["dA"]}).values())
+        router = Router(*make_clients({"prefill": [Peer("pA", "local")],
+                                       "decode": [Peer("dA", "local")]}).values())
         await router.start()
         watcher = PeerWatcher(path, router, make_clients, interval_s=0.05)
         watcher.start()
@@ -102,8 +106,9 @@ class FakeClient:
 
 def test_draining_peers_get_no_new_requests_and_admission_follows():
     router = Router([FakeClient("p0", "prefill")], [FakeClient("d0", "decode")])
-    clients = http_clients({"prefill": [{"name": "p0", "url": "http://p0:1", "node": "n", "draining": True}],
-                            "decode": ["d0=http://d0:1"]})
+    peers = {"prefill": [Peer("p0", "http://p0:1", "n", draining=True)],
+             "decode": [Peer.parse("d0=http://d0:1", "decode", 0)]}
+    clients = http_clients(peers)
     assert (clients["prefill"][0].node, clients["prefill"][0].is_draining) == ("n", True)
 
     async def scenario():

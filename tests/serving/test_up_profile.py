@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_helpers import tiny_spec_yaml, wait_until
+from serving_helpers import make_settings, tiny_spec_yaml, wait_until
 from test_up import CLI, free_port_block
 
 DEMO = ["--demo", "--rate", "2", "--duration", "2"]
@@ -101,10 +101,7 @@ def test_up_measures_once_then_reads_the_cache_and_profile_overrides(tiny_llama,
 def test_a_process_that_fails_to_start_leaves_no_work_folder(tmp_path):
     from distserve.local.launcher import LaunchError, LocalLauncher
 
-    settings = {"engine": {"model": str(tmp_path / "no-model-here"), "device": "cpu"},
-                "model_name": "tiny", "deployment": "test", "max_prefill_tokens": 64,
-                "max_decode_batch": 4, "slo": {"ttft_s": 5.0, "tpot_s": 1.0},
-                "instances": {"prefill": 1, "decode": 1}}
+    settings = make_settings(str(tmp_path / "no-model-here"))
     launcher = LocalLauncher(settings, port=free_port_block())
     assert launcher.workdir.is_dir()
     with pytest.raises(LaunchError, match="exited while starting"):

@@ -14,12 +14,13 @@ only the settings file and the environment. Three ways to be started:
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from distserve_engine.server.settings import ServeSettings
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -61,9 +62,8 @@ class RankLayout:
 
 def role_parallel(config_path: str | Path, role: str) -> tuple[int, int]:
     """(tp, pp) of `role` in the settings file's `parallel` section (1, 1 when absent)."""
-    doc = json.loads(Path(config_path).read_text())
-    entry = doc.get("parallel", {}).get(role, {})
-    return int(entry.get("tp", 1)), int(entry.get("pp", 1))
+    parallel = ServeSettings.load(config_path).parallel_of(role)
+    return parallel.tp, parallel.pp
 
 
 def layout_for(config_path: str | Path, role: str, env: Mapping[str, str] | None = None) -> RankLayout:

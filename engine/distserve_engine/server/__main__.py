@@ -106,7 +106,7 @@ def build_app(args: argparse.Namespace):
     from distserve_engine.instance import workers
     from distserve_engine.server import assembly, edge
     from distserve_engine.server.instance_app import build_instance_app
-    from distserve_engine.server.settings import ServeSettings
+    from distserve_engine.server.settings import Peer, ServeSettings
 
     settings = ServeSettings.load(args.config)
     assembly.pin_cpu(cores)
@@ -114,7 +114,7 @@ def build_app(args: argparse.Namespace):
     if args.role in assembly.ROLES:
         host = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
         url = args.advertise_url or f"http://{host}:{args.port}"
-        runner = workers.start_ranks(layout, settings.engine_config(), all_cores)
+        runner = workers.start_ranks(layout, settings.engine, all_cores)
         if not layout.is_driver:  # a later pipeline stage: replay rank 0's calls
             return _worker_app(runner)
         instance = assembly.build_instance(args.role, name, settings, runner=runner, url=url)
@@ -136,7 +136,7 @@ def build_app(args: argparse.Namespace):
     for role in ("prefill", "decode", "colocated"):
         value = getattr(args, f"{role}_peers")
         if value:
-            peers[role] = [v for v in value.split(",") if v]
+            peers[role] = [Peer.parse(v, role, i) for i, v in enumerate(value.split(",")) if v]
     tokenizer, max_model_len = assembly.load_tokenizer(settings)
     metrics = assembly.build_metrics(settings, "router", name)
     router = assembly.build_router(settings, assembly.http_clients(peers), metrics)

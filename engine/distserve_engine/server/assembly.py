@@ -15,7 +15,7 @@ from distserve_engine.metrics import ServingMetrics
 from distserve_engine.router import Router
 from distserve_engine.runner import ModelRunner
 from distserve_engine.server.openai_app import Frontend, build_openai_app
-from distserve_engine.server.settings import ServeSettings
+from distserve_engine.server.settings import Peer, ServeSettings
 from distserve_engine.transfer import KVFetcher, inprocess
 
 ROLES = ("prefill", "decode", "colocated")
@@ -40,7 +40,7 @@ MAX_ARENA_BYTES = 1 << 30  # a decode's shared-memory arena: at most its KV cach
 def build_instance(role: str, name: str, settings: ServeSettings, runner: Any = None,
                    url: str = "") -> Any:
     """A started instance of `role` with its own runner."""
-    runner = runner or ModelRunner(settings.engine_config())
+    runner = runner or ModelRunner(settings.engine)
     if role == "prefill":
         instance = PrefillInstance(name, runner, settings.max_prefill_tokens, url=url)
         inprocess.register(instance)
@@ -58,7 +58,7 @@ def build_instance(role: str, name: str, settings: ServeSettings, runner: Any = 
 def build_metrics(settings: ServeSettings, role: str, name: str) -> ServingMetrics:
     """The process's metrics with its labels and the plan it serves under."""
     metrics = ServingMetrics(settings.deployment, role, name, settings.model_name,
-                             settings.engine.get("max_model_len"))
+                             settings.engine.max_model_len)
     metrics.set_plan(**settings.plan_metrics())
     metrics.set_slo(settings.ttft_slo_s, settings.tpot_slo_s)
     return metrics
@@ -76,25 +76,15 @@ def build_router(settings: ServeSettings, role_to_clients: dict[str, list[Any]],
                   admit_by_ttft=settings.admit_by_ttft)
 
 
-def http_clients(peers: dict[str, list[str | dict[str, Any]]]) -> dict[str, list[HttpInstanceClient]]:
-    """Clients of instance servers; an entry is `URL`, `NAME=URL`, or
-    `{"name", "url", "node", "draining"}` (node and draining optional)."""
-    out: dict[str, list[HttpInstanceClient]] = {}
-    for role, entries in peers.items():
-        for i, entry in enumerate(entries):
-            if isinstance(entry, dict):
-                client = HttpInstanceClient(entry.get("name") or f"{role}-{i}", role, entry["url"],
-                                            entry.get("node"), bool(entry.get("draining")))
-            else:
-                name, _, url = entry.rpartition("=") if "=" in entry else (f"{role}-{i}", "", entry)
-                client = HttpInstanceClient(name, role, url)
-            out.setdefault(role, []).append(client)
-    return out
+def http_clients(peers: dict[str, list[Peer]]) -> dict[str, list[HttpInstanceClient]]:
+    """Clients of the peers' instance servers, per role."""
+    return {role: [HttpInstanceClient(p.name, role, p.url, p.node, p.draining) for p in entries]
+            for role, entries in peers.items() if entries}
 
 
 def build_in_process(settings: ServeSettings) -> tuple[Router, list[Any], Any]:
     """Router and all instances in this process (`--role all`, tests); returns the runner used for the tokenizer."""
-    multi_rank = {r: p for r, p in settings.parallel.items() if p.get("tp", 1) * p.get("pp", 1) > 1}
+    multi_rank = {r: p for r, p in settings.parallel.items() if p.num_ranks > 1}
     if multi_rank:
         raise ValueError(f"parallel: {multi_rank} needs one process per rank; one process "
                          "serving every instance runs them at tp = pp = 1")
@@ -139,7 +129,7 @@ def load_tokenizer(settings: ServeSettings) -> tuple[Any, int]:
     from distserve_engine.loader import load_model_config, resolve_checkpoint
     from distserve_engine.tokenizer import Tokenizer
 
-    config = settings.engine_config()
+    config = settings.engine
     ckpt = resolve_checkpoint(config.model, require_weights=False)
     model_config = load_model_config(ckpt)
     max_model_len = min(model_config.max_position, config.max_model_len or model_config.max_position)

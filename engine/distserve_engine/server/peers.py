@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from distserve_engine.router import Router
-from distserve_engine.server.settings import ServeSettings
+from distserve_engine.server.settings import Peer, ServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ WATCH_INTERVAL_S = 2.0  # how often the file is read; kubelet's own delay domina
 
 
 def apply_settings(router: Router, settings: ServeSettings,
-                   make_clients: Callable[[dict[str, list[Any]]], dict[str, list[Any]]]) -> None:
+                   make_clients: Callable[[dict[str, list[Peer]]], dict[str, list[Any]]]) -> None:
     """Give the router the settings' peers and limits."""
     router.max_waiting_requests = settings.max_waiting_requests
     router.max_decode_batch = settings.max_decode_batch
@@ -42,7 +42,7 @@ class PeerWatcher:
     """Polls one settings file; on a change of content, re-applies it to the router."""
 
     def __init__(self, path: str | Path, router: Router,
-                 make_clients: Callable[[dict[str, list[Any]]], dict[str, list[Any]]],
+                 make_clients: Callable[[dict[str, list[Peer]]], dict[str, list[Any]]],
                  interval_s: float = WATCH_INTERVAL_S) -> None:
         self.path = Path(path)
         self.router = router

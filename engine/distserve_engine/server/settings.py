@@ -14,16 +14,46 @@
 
 A peer is `URL`, `NAME=URL` or `{"name", "url", "node", "draining"}`. A router reading
 its peers from this file re-reads it while it runs (`server/peers.py`).
+
+`ServeSettings` is the document's one representation: the launcher (`distserve up`) and
+the operator build it, processes read it, and each part is typed (`EngineConfig`,
+`Slo`, `Peer`, `Parallelism`, `PlanInfo`), checked when the document is read. This
+module imports no torch.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from distserve_engine.config import EngineConfig
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+def _check_keys(cls: type, doc: Any, where: str) -> dict[str, Any]:
+    """`doc` as a dict of `cls`'s fields; anything else is an error naming `where`."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"serve settings: {where} must be an object, got {doc!r}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise ValueError(f"serve settings: {where} has unknown keys {unknown}; expected some of "
+                         f"{sorted(known)}")
+    return doc
+
+
+def _check_roles(doc: Any, where: str) -> dict[str, Any]:
+    """A role-keyed object; a key that is no role is an error naming it."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"serve settings: {where} must be an object keyed by role, got {doc!r}")
+    bad = sorted(set(doc) - set(ROLES))
+    if bad:
+        raise ValueError(f"serve settings: {where} has unknown roles {bad}; expected some of "
+                         f"{list(ROLES)}")
+    return doc
 
 
 @dataclass(frozen=True)
@@ -47,11 +77,78 @@ class PlanInfo:
         return cls(**doc)
 
 
+@dataclass(frozen=True)
+class Slo:
+    """The deployment's latency targets, in seconds (None: no target)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or value <= 0):
+                raise ValueError(f"serve settings: slo.{name} must be a number > 0, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> Slo:
+        return cls(**_check_keys(cls, doc, "slo"))
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Ranks of one instance: tensor-parallel degree x pipeline stages."""
+
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"serve settings: parallel.{name} must be an integer >= 1, "
+                                 f"got {value!r}")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tp * self.pp
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> Parallelism:
+        return cls(**_check_keys(cls, doc, "parallel.<role>"))
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One instance the router sends work to."""
+
+    name: str
+    url: str
+    node: str | None = None  # the node it runs on; the router prefers same-node pairs
+    draining: bool = False  # takes no new request; in-flight ones finish
+
+    @classmethod
+    def parse(cls, entry: Any, role: str, index: int) -> Peer:
+        """A peer from `URL`, `NAME=URL` or `{"name", "url", "node", "draining"}`."""
+        if isinstance(entry, Peer):
+            return entry
+        if isinstance(entry, str):
+            name, _, url = entry.partition("=") if "=" in entry else (f"{role}-{index}", "", entry)
+            entry = {"name": name, "url": url}
+        doc = dict(_check_keys(cls, entry, f"peers.{role}[{index}]"))
+        if not isinstance(doc.get("url"), str) or not doc["url"]:
+            raise ValueError(f"serve settings: peers.{role}[{index}] needs a url, got {entry!r}")
+        doc["name"] = doc.get("name") or f"{role}-{index}"
+        doc["draining"] = bool(doc.get("draining", False))
+        return cls(**doc)
+
+
 @dataclass
 class ServeSettings:
     """How one deployment serves: the engine, batching bounds, SLOs, peers."""
 
-    engine: dict[str, Any]  # EngineConfig fields
+    engine: EngineConfig  # of every instance
     deployment: str = "distserve"
     model_name: str = "model"
     max_prefill_tokens: int = 512  # Lm: prefill batches fill up to this many tokens
@@ -61,32 +158,49 @@ class ServeSettings:
     admit_by_ttft: bool = False  # 429 at once when the queue ahead would miss the TTFT SLO
     max_request_body_bytes: int = 2 * 1024 * 1024  # 413 beyond
     default_max_tokens: int | None = 256  # chat output limit when the client gives none
-    slo: dict[str, float] = field(default_factory=dict)  # ttft_s, tpot_s
+    slo: Slo = field(default_factory=Slo)
     instances: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
-    peers: dict[str, list[Any]] = field(default_factory=dict)  # role -> instance peers
-    parallel: dict[str, dict[str, int]] = field(default_factory=dict)  # role -> {"tp", "pp"}
+    peers: dict[str, list[Peer]] = field(default_factory=dict)  # role -> instances to route to
+    parallel: dict[str, Parallelism] = field(default_factory=dict)  # role -> ranks per instance
     plan: PlanInfo | None = None  # the plan served under (metrics only); None without a plan
 
     def __post_init__(self) -> None:
+        # Parts given as their JSON form are read into their types, so there is one
+        # representation whichever way the settings were built.
+        if isinstance(self.engine, dict):
+            self.engine = EngineConfig(**_check_keys(EngineConfig, self.engine, "engine"))
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"serve settings: engine must be an object, got {self.engine!r}")
+        if not isinstance(self.slo, Slo):
+            self.slo = Slo.from_dict(self.slo)
         if isinstance(self.plan, dict):
             self.plan = PlanInfo.from_dict(self.plan)
+        self.instances = dict(_check_roles(self.instances, "instances"))
+        for role, count in self.instances.items():
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"serve settings: instances.{role} must be an integer >= 0, "
+                                 f"got {count!r}")
+        self.peers = {role: [Peer.parse(entry, role, i) for i, entry in enumerate(entries)]
+                      for role, entries in _check_roles(self.peers, "peers").items()}
+        self.parallel = {role: p if isinstance(p, Parallelism) else Parallelism.from_dict(p)
+                         for role, p in _check_roles(self.parallel, "parallel").items()}
         if not isinstance(self.max_request_body_bytes, int) or self.max_request_body_bytes < 1:
             raise ValueError(f"serve settings: max_request_body_bytes must be an integer >= 1, "
                              f"got {self.max_request_body_bytes!r}")
         if self.admit_by_ttft and self.ttft_slo_s is None:
             raise ValueError("serve settings: admit_by_ttft needs slo.ttft_s")
 
-    def engine_config(self) -> EngineConfig:
-        """The EngineConfig of every instance."""
-        return EngineConfig(**self.engine)
+    def parallel_of(self, role: str) -> Parallelism:
+        """tp x pp of each instance of `role` (1 x 1 when the settings name none)."""
+        return self.parallel.get(role, Parallelism())
 
     @property
     def ttft_slo_s(self) -> float | None:
-        return self.slo.get("ttft_s")
+        return self.slo.ttft_s
 
     @property
     def tpot_slo_s(self) -> float | None:
-        return self.slo.get("tpot_s")
+        return self.slo.tpot_s
 
     def plan_metrics(self) -> dict[str, Any]:
         """The arguments of `ServingMetrics.set_plan` for this plan."""
@@ -100,13 +214,16 @@ class ServeSettings:
         """The JSON document."""
         return asdict(self)
 
+    def write(self, path: str | Path) -> None:
+        """Write the JSON document to `path`."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> ServeSettings:
         """Read the document; unknown keys are an error naming them."""
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(doc) - known)
-        if unknown:
-            raise ValueError(f"serve settings: unknown keys {unknown}; expected some of {sorted(known)}")
+        doc = _check_keys(cls, doc, "the document")
+        if "engine" not in doc:
+            raise ValueError("serve settings: engine is required (the EngineConfig fields)")
         return cls(**doc)
 
     @classmethod

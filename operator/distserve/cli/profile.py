@@ -127,13 +127,11 @@ def _unwritable(output: Path) -> str | None:
 def _measure(spec: DistServeDeploymentSpec, threads: int, repeats: int,
              say: Callable[[str], None]) -> Any:
     """Run the engine's profiler on the engine settings `distserve up` would use."""
-    from distserve.local.settings import engine_device, find_model_path, serve_settings
-    from distserve_engine.config import EngineConfig
+    from distserve.local.settings import engine_config, engine_device, find_model_path
     from distserve_engine.profile import ProfileGrid, profile_model
 
     device = engine_device(spec)
-    engine = serve_settings(spec, {"prefill": 1, "decode": 1}, "profile", find_model_path(spec))["engine"]
-    config = EngineConfig(**engine)
+    config = engine_config(spec, find_model_path(spec))
     max_context = min(512, (config.max_model_len or 2048) // 2)
     grid = ProfileGrid.default(
         max_prefill_tokens=spec.planner.max_prefill_tokens or DEFAULT_PREFILL_TOKENS[config.device_type],

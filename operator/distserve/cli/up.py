@@ -27,8 +27,12 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from distserve.spec import load_manifest
+
+if TYPE_CHECKING:
+    from distserve_engine.server.settings import ServeSettings
 
 NAME = "up"
 HELP = "Run a DistServeDeployment on this machine (router + instances), serving the OpenAI API."
@@ -165,9 +169,9 @@ def _choose_profile(args, spec, model_path: str):
     """The latency profile to plan with; measures and caches this machine's on first use."""
     from distserve.cli.profile import measure_profile
     from distserve.local.profiles import THREADS_PER_RANK, choose_profile
-    from distserve.local.settings import serve_settings
+    from distserve.local.settings import engine_config
 
-    engine = serve_settings(spec, {"prefill": 1, "decode": 1}, "profile", model_path)["engine"]
+    engine = engine_config(spec, model_path)
 
     def measure(path, key: dict) -> None:
         measure_profile(spec, path, f"distserve up -f {args.file} (first use on this machine)",
@@ -202,7 +206,7 @@ def _demo(args, spec, plan, launcher, source) -> int:
     return 0
 
 
-def _predicted(spec, settings: dict, requests, rate_rps: float):
+def _predicted(spec, settings: ServeSettings, requests, rate_rps: float):
     """The simulator's RunSummary for these requests on the settings' instances, or None
     (said why) when the planner cannot model the spec."""
     from distserve.local.prediction import LocalShape, engine_context, predict_run

@@ -15,6 +15,7 @@ runs (the spec's engine section) rolls it, with maxUnavailable 0.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Any
@@ -29,6 +30,7 @@ from distserve.k8s.workers import (
 )
 from distserve.local.settings import plan_settings, serve_settings
 from distserve.plan import Plan
+from distserve_engine.server.settings import PlanInfo, ServeSettings
 
 ROUTER_CONFIG_DIR = "/etc/distserve/router"
 ROUTER_SETTINGS_FILE = "serve.json"  # the engine's ServeSettings with `peers`
@@ -50,7 +52,7 @@ def build_router_config(
         "instances": instances,
     }
     if plan is not None:  # a Plan, or the settings an earlier config already holds
-        config["plan"] = plan if isinstance(plan, dict) else plan_settings(plan)
+        config["plan"] = plan if isinstance(plan, dict) else dataclasses.asdict(plan_settings(plan))
     return config
 
 
@@ -64,12 +66,13 @@ def router_peers(config: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     return peers
 
 
-def build_router_settings(spec: specs.DistServeDeploymentSpec, config: dict[str, Any]) -> dict[str, Any]:
-    """The router's engine settings: the local launcher's document plus the live peers."""
+def build_router_settings(spec: specs.DistServeDeploymentSpec, config: dict[str, Any]) -> ServeSettings:
+    """The router's engine settings: the local launcher's, plus the live peers."""
     peers = router_peers(config)
     counts = {role: len(urls) for role, urls in peers.items()}
     settings = serve_settings(spec, counts, config["deployment"], weights.model_path(spec))
-    return {**settings, "peers": peers, "plan": config.get("plan")}
+    plan = PlanInfo.from_dict(config["plan"]) if config.get("plan") else None
+    return dataclasses.replace(settings, peers=peers, plan=plan)
 
 
 def build_router_config_map_spec(
@@ -78,7 +81,7 @@ def build_router_config_map_spec(
     """The ConfigMap holding the router's `serve.json` and the full `router.json`."""
     meta = naming.object_meta(owner, naming.router_name(owner), _router_labels(owner))
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {
-        ROUTER_SETTINGS_FILE: json.dumps(build_router_settings(spec, config), indent=2, sort_keys=True),
+        ROUTER_SETTINGS_FILE: json.dumps(build_router_settings(spec, config).to_dict(), indent=2, sort_keys=True),
         ROUTER_CONFIG_FILE: json.dumps(config, indent=2, sort_keys=True)}}
 
 

@@ -23,6 +23,7 @@ from distserve.k8s import gang, naming, pods, scraping, weights
 from distserve.k8s.nodes import GPU_RESOURCE, is_cpu_spec
 from distserve.local.settings import serve_settings
 from distserve.plan import SegmentPlacement
+from distserve_engine.server.settings import ServeSettings
 
 CONFIG_DIR = "/etc/distserve"
 SETTINGS_FILE = "serve.json"  # the engine's ServeSettings document (`--config`)
@@ -73,7 +74,7 @@ def engine_instance_name(revision: naming.Revision, role: str, instance: int) ->
     return naming.engine_instance_name(revision.id, role, instance)
 
 
-def build_serve_settings(revision: naming.Revision) -> dict[str, Any]:
+def build_serve_settings(revision: naming.Revision) -> ServeSettings:
     """The engine's settings document (the local launcher's, with in-pod paths)."""
     plan = revision.plan
     counts = {"prefill": plan.num_instances("prefill"), "decode": plan.num_instances("decode")}
@@ -89,7 +90,7 @@ def build_engine_config_map_spec(revision: naming.Revision) -> dict[str, Any]:
     plan_doc = {"revision": revision.id, "plan": revision.plan.to_dict(),
                 "instances": instance_endpoints(revision)}
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {
-        SETTINGS_FILE: json.dumps(build_serve_settings(revision), indent=2, sort_keys=True),
+        SETTINGS_FILE: json.dumps(build_serve_settings(revision).to_dict(), indent=2, sort_keys=True),
         PLAN_FILE: json.dumps(plan_doc, indent=2, sort_keys=True)}}
 
 

@@ -24,7 +24,7 @@ the tp and pp it was started with.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import shutil
 import socket
@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from distserve_engine.server.settings import Peer, ServeSettings
 
 READY_TIMEOUT_S = 300.0  # loading a model on two shared cores can take a while
 STOP_TIMEOUT_S = 10.0
@@ -67,10 +69,9 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
 
-def num_ranks(settings: dict[str, Any], role: str) -> int:
+def num_ranks(settings: ServeSettings, role: str) -> int:
     """tp x pp of one instance of `role` (one core per rank)."""
-    parallel = settings.get("parallel", {}).get(role, {})
-    return parallel.get("tp", 1) * parallel.get("pp", 1)
+    return settings.parallel_of(role).num_ranks
 
 
 def cores_from(first_core: int, count: int, num_cores: int) -> list[int] | None:
@@ -87,17 +88,18 @@ def instance_argv(proc: ServerProcess, config_path: Path) -> list[str]:
     return argv
 
 
-def peers_of(procs: list[ServerProcess], draining: tuple[ServerProcess, ...] = ()) -> dict[str, list]:
+def peers_of(procs: list[ServerProcess],
+             draining: tuple[ServerProcess, ...] = ()) -> dict[str, list[Peer]]:
     """The router's `peers`: every instance process by role, `draining` ones marked."""
-    peers: dict[str, list] = {}
+    peers: dict[str, list[Peer]] = {}
     for proc in procs:
         if proc.role != "router":
-            entry = {"name": proc.name, "url": proc.url, "draining": proc in draining}
-            peers.setdefault(proc.role, []).append(entry)
+            peer = Peer(proc.name, proc.url, draining=proc in draining)
+            peers.setdefault(proc.role, []).append(peer)
     return peers
 
 
-def plan_processes(settings: dict[str, Any], config_path: Path, host: str, port: int,
+def plan_processes(settings: ServeSettings, config_path: Path, host: str, port: int,
                    num_cores: int, instance_config_path: Path | None = None) -> list[ServerProcess]:
     """The instance processes (ports port+1, ...) then the router on `port`; the router
     reads `config_path`, the instances `instance_config_path` (default the same file)."""
@@ -105,7 +107,7 @@ def plan_processes(settings: dict[str, Any], config_path: Path, host: str, port:
     next_core = 0
     for role in ("prefill", "decode", "colocated"):
         ranks = num_ranks(settings, role)
-        for i in range(settings["instances"].get(role, 0)):
+        for i in range(settings.instances.get(role, 0)):
             cores = cores_from(next_core, ranks, num_cores)
             next_core += ranks if num_cores else 0
             procs.append(ServerProcess(role, f"{role}-{i}", port + 1 + len(procs), cores))
@@ -120,7 +122,7 @@ def plan_processes(settings: dict[str, Any], config_path: Path, host: str, port:
 class LocalLauncher:
     """Runs one deployment's processes; a context manager."""
 
-    def __init__(self, settings: dict[str, Any], host: str = "127.0.0.1", port: int = 8000,
+    def __init__(self, settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000,
                  backend: str = "process", ray_address: str | None = None,
                  pin_cores: bool = True) -> None:
         self.settings = settings
@@ -157,7 +159,7 @@ class LocalLauncher:
 
     def start(self, progress: Any = print) -> None:
         """Start the instances, wait until they serve, then the router."""
-        (self.workdir / "serve-r0.json").write_text(json.dumps(self.settings, indent=2))
+        self.settings.write(self.workdir / "serve-r0.json")
         self.write_router_settings(self.settings)
         if self.backend == "ray":
             from distserve.local.ray_actors import RayServers
@@ -198,19 +200,19 @@ class LocalLauncher:
                 name_to_started_s[proc.name] = time.monotonic()
                 self.restarts[proc.name] = self.restarts.get(proc.name, 0) + 1
 
-    def write_router_settings(self, settings: dict[str, Any],
+    def write_router_settings(self, settings: ServeSettings,
                               draining: tuple[ServerProcess, ...] = ()) -> None:
         """Write the router's file: `settings` with the running instances as its peers
         (those in `draining` marked so); replaced atomically, so the router never reads half."""
-        doc = {**settings, "peers": peers_of(self.procs, draining)}
+        doc = dataclasses.replace(settings, peers=peers_of(self.procs, draining))
         partial = self.config_path.with_suffix(".json.partial")
-        partial.write_text(json.dumps(doc, indent=2))
+        doc.write(partial)
         os.replace(partial, self.config_path)
 
     def add_instance(self, role: str, config_path: Path) -> ServerProcess:
         """Start one more instance of `role` reading `config_path`, on a free port and
         the next cores; it is in `procs` (before the router) once this returns."""
-        ranks = num_ranks(json.loads(config_path.read_text()), role)
+        ranks = num_ranks(ServeSettings.load(config_path), role)
         index = 1 + max((int(p.name.rpartition("-")[2]) for p in self.procs if p.role == role),
                         default=-1)
         port = max(p.port for p in self.procs) + 1

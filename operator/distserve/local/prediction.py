@@ -15,7 +15,6 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -24,6 +23,7 @@ from distserve.search.goodput import MAX_SHRINK, find_goodput
 from distserve.search.trials import SearchContext, Unit, simulate_baseline, simulate_unit
 from distserve.simulator import SLO, SimResult, Trace
 from distserve.workload import Request
+from distserve_engine.server.settings import Parallelism, ServeSettings
 
 PERCENTILES = (50, 90, 99)
 KNEE_DROP = 0.1  # attainment points below the unloaded level that mark the knee
@@ -34,7 +34,7 @@ class LocalShape:
     """The instances of a local deployment, as its settings name them."""
 
     instances: dict[str, int]  # role -> count: prefill and decode, or colocated
-    parallel: dict[str, dict[str, int]]  # role -> {"tp": .., "pp": ..}
+    parallel: dict[str, Parallelism]  # role -> tp x pp of each instance
 
     @property
     def is_colocated(self) -> bool:
@@ -46,23 +46,23 @@ class LocalShape:
         return " + ".join(f"{count} {role}" for role, count in self.instances.items())
 
     @classmethod
-    def from_settings(cls, settings: dict[str, Any]) -> LocalShape:
-        """The shape of a `serve.json` document (`distserve.local.settings`)."""
-        return cls(dict(settings["instances"]), dict(settings.get("parallel") or {}))
+    def from_settings(cls, settings: ServeSettings) -> LocalShape:
+        """The shape of a deployment's serving settings (`distserve.local.settings`)."""
+        return cls(dict(settings.instances), dict(settings.parallel))
 
 
-def engine_context(ctx: SearchContext, settings: dict[str, Any]) -> SearchContext:
+def engine_context(ctx: SearchContext, settings: ServeSettings) -> SearchContext:
     """The planner's context with the engine's limits from the serving settings."""
-    return dataclasses.replace(ctx, max_prefill_tokens=settings["max_prefill_tokens"],
-                               max_decode_batch=settings["max_decode_batch"])
+    return dataclasses.replace(ctx, max_prefill_tokens=settings.max_prefill_tokens,
+                               max_decode_batch=settings.max_decode_batch)
 
 
 def simulate_shape(ctx: SearchContext, shape: LocalShape, trace: Trace,
                    slo: SLO | None = None) -> SimResult:
     """The shape's instances serving the trace in the simulator (slo: stop once lost)."""
     def config(role: str):
-        p = shape.parallel.get(role, {})
-        return p.get("tp", 1), p.get("pp", 1)
+        p = shape.parallel.get(role, Parallelism())
+        return p.tp, p.pp
 
     if shape.is_colocated:
         return simulate_baseline(ctx, "colocated", config("colocated"),

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from distserve.local.machine import Machine
 from distserve.spec import DistServeDeploymentSpec
+from distserve_engine.config import EngineConfig
 
 CACHE_FORMAT = 1  # bump when the profiler's output changes meaning: old entries are ignored
 THREADS_PER_RANK = 1  # `distserve up` pins each instance rank to one core
@@ -58,16 +59,21 @@ class ProfileSource:
         return f"{self.path} ({origin}; measured {when} on {where})"
 
 
+# The engine settings a step's latency depends on (not, e.g., the KV budget).
+KEY_ENGINE_FIELDS = ("model", "device", "dtype", "block_size", "max_model_len", "seed")
+
+
 def cache_dir() -> Path:
     """Where measured profiles are kept: $XDG_CACHE_HOME/distserve/profiles."""
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(root) / "distserve" / "profiles"
 
 
-def cache_key(spec: DistServeDeploymentSpec, engine: dict, machine: Machine) -> dict:
+def cache_key(spec: DistServeDeploymentSpec, engine: EngineConfig, machine: Machine) -> dict:
     """Everything a measured profile depends on (`engine`: the serving settings' engine)."""
     return {
-        "format": CACHE_FORMAT, "model": spec.model.name, "engine": engine,
+        "format": CACHE_FORMAT, "model": spec.model.name,
+        "engine": {name: getattr(engine, name) for name in KEY_ENGINE_FIELDS},
         "max_prefill_tokens": spec.planner.max_prefill_tokens,
         "max_decode_batch": spec.planner.max_decode_batch,
         "device": machine.device, "threads": machine.threads, "cpu_model": machine.cpu_model,
@@ -98,14 +104,14 @@ def read_source(path: str | Path, origin: str, here: Machine) -> ProfileSource:
                          machine is not None and machine.matches(here))
 
 
-def choose_profile(spec: DistServeDeploymentSpec, engine: dict, given: str | None,
+def choose_profile(spec: DistServeDeploymentSpec, engine: EngineConfig, given: str | None,
                    can_measure: bool, measure: Callable[[Path, dict], None],
                    say: Callable[[str], None]) -> ProfileSource:
     """The profile to plan with (the module docstring's order). `measure(path, key)`
     writes this machine's profile to path; when it raises, the spec's profile is used
     with a warning. ValueError names `--profile` or the spec's field when the file given
     there is not a readable profile."""
-    here = Machine.here(engine["device"], THREADS_PER_RANK)
+    here = Machine.here(engine.device, THREADS_PER_RANK)
     if given:
         try:
             return read_source(given, "--profile", here)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from distserve_engine.server.settings import ServeSettings
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
@@ -30,7 +32,7 @@ def _server_actor_class(ray: Any) -> Any:
 class RayServers:
     """Spawns and kills server actors on a local or existing Ray cluster."""
 
-    def __init__(self, address: str | None, settings: dict[str, Any]) -> None:
+    def __init__(self, address: str | None, settings: ServeSettings) -> None:
         import ray
 
         self.ray = ray
@@ -43,9 +45,8 @@ class RayServers:
                 ray.init(num_cpus=max(2, len(os.sched_getaffinity(0))), include_dashboard=False,
                          log_to_driver=False)
         self.actor_class = _server_actor_class(ray)
-        self.is_gpu = settings["engine"]["device"].startswith("cuda")
-        self.role_to_num_ranks = {role: p.get("tp", 1) * p.get("pp", 1)
-                                  for role, p in settings.get("parallel", {}).items()}
+        self.is_gpu = settings.engine.device_type == "cuda"
+        self.role_to_num_ranks = {role: p.num_ranks for role, p in settings.parallel.items()}
         self._proc_to_ref: dict[str, Any] = {}
 
     def spawn(self, proc: Any) -> Any:

@@ -63,7 +63,7 @@ class ReplanLoop:
                  progress: Callable[[str], None] = print) -> None:
         self.launcher, self.spec, self.plan, self.settings = launcher, spec, plan, settings
         self.client = PrometheusClient(prometheus_url, timeout_s=5.0, retries=1, deadline_s=15.0)
-        self.labels = {"deployment": launcher.settings["deployment"]}
+        self.labels = {"deployment": launcher.settings.deployment}
         self.on_targets = on_targets
         self.evaluator = evaluator or SearchEvaluator(spec, max_gpus=settings.max_gpus)
         self.progress = progress

