@@ -6,12 +6,15 @@ Once with plain processes, once with Ray actors (skipped where Ray cannot start)
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -47,14 +50,32 @@ def ray_actor_pids() -> set[int]:
 
 
 def free_port_block(size: int = 4) -> int:
-    """A port p with p .. p+size-1 free (the router and the instances)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + size < 65535 and all(_is_free(port + i) for i in range(size)):
+    """A port p with p .. p+size-1 free to listen on (the router and the instances).
+
+    Drawn below the kernel's ephemeral range, from which outgoing connections take their
+    local ports: a port drawn there can be taken by a client's connection before the
+    server binds it ("address already in use")."""
+    low_ephemeral = 32768
+    try:
+        low_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    draw = random.Random(f"{os.getpid()}-{time.monotonic_ns()}")
+    for _ in range(200):
+        port = draw.randrange(10000, low_ephemeral - size)
+        if all(_can_bind(port + i) for i in range(size)):
             return port
     raise RuntimeError("no free port block")
+
+
+def _can_bind(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return _is_free(port)
 
 
 def _is_free(port: int) -> bool:
