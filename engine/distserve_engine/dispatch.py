@@ -5,8 +5,11 @@ queue, counted in prompt tokens sent and not yet prefilled (ties: fewer requests
 prefilled request goes to the least loaded decode instance (fewest requests, then least
 KV), preferring one on its prefill instance's node (Algorithm 2 places them so the KV
 moves over the node's fast link) and going elsewhere when none there has room. A
-colocated instance (the baseline) is picked as a prefill one is. Only instances that
-can take work count: healthy and not draining.
+deployment whose network is too slow for KV (low node affinity) keeps a request on its
+prefill's node, queued there when every decode instance there is full, and sends it
+elsewhere only when the node has no decode instance. A colocated instance (the
+baseline) is picked as a prefill one is. Only instances that can take work count:
+healthy and not draining.
 
 The router owns the `Slot`s and keeps their counters; these functions only read them.
 The rule of room is `policy.has_decode_room`, which the simulator calls too; the
@@ -71,12 +74,21 @@ def has_room(slot: Slot, max_decode_batch: int | None) -> bool:
     return has_decode_room(slot.num_outstanding, slot.kv_usage, max_decode_batch)
 
 
-def pick_decode(slots: list[Slot], prefill_node: str | None, max_decode_batch: int | None) -> Slot:
+def pick_decode(slots: list[Slot], prefill_node: str | None, max_decode_batch: int | None,
+                can_cross_nodes: bool = True) -> Slot:
     """The least loaded decode instance with room on the prefill's node, else with room
-    anywhere, else any that can take work (it queues the request)."""
+    anywhere, else any that can take work (it queues the request).
+
+    With `can_cross_nodes` False (low node affinity: the network between nodes is too
+    slow for KV), a request stays on its prefill's node: the least loaded there with
+    room, else the least loaded there; only a node with no decode instance that can take
+    work sends to the others, as above."""
     open_slots = [s for s in slots if s.can_take]
     if not open_slots:
         raise NoInstance("no healthy decode instance")
+    local = [s for s in open_slots if s.node == prefill_node]
+    if not can_cross_nodes and local:
+        open_slots = local
     roomy = [s for s in open_slots if has_room(s, max_decode_batch)]
-    local = [s for s in roomy if s.node == prefill_node]
-    return min(local or roomy or open_slots, key=lambda s: (s.num_outstanding, s.kv_usage))
+    roomy_local = [s for s in roomy if s.node == prefill_node]
+    return min(roomy_local or roomy or open_slots, key=lambda s: (s.num_outstanding, s.kv_usage))

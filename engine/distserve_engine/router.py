@@ -1,7 +1,8 @@
 """The router: a request's way through the instances, admission, peers and timelines.
 
 Dispatch follows DistServe section 4.3 (`dispatch.py`: shortest prefill queue, least
-loaded decode instance, preferring the prefill's node); health comes from polling every
+loaded decode instance, preferring the prefill's node, or keeping to it under low node
+affinity); health comes from polling every
 instance's load (`health.py`), and an instance that fails a request is checked at once,
 so while it is unhealthy it gets nothing. The router counts what it has sent and not yet
 got back, so dispatch needs no round trip. Admission refuses a request with 503 when a
@@ -51,7 +52,8 @@ class Router:
                  metrics: Any = None, max_waiting_requests: int = 256,
                  ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
                  health_interval_s: float = 0.5, max_decode_batch: int | None = None,
-                 max_inflight_requests: int | None = None, admit_by_ttft: bool = False) -> None:
+                 max_inflight_requests: int | None = None, admit_by_ttft: bool = False,
+                 can_decode_across_nodes: bool = True) -> None:
         if colocated and (prefill or decode):
             raise ValueError("router: give prefill and decode instances, or colocated ones")
         if not colocated and not (prefill and decode):
@@ -63,6 +65,7 @@ class Router:
         self.ttft_slo_s, self.tpot_slo_s = ttft_slo_s, tpot_slo_s
         self.max_decode_batch = max_decode_batch  # a decode instance with this many has no room
         self.max_inflight_requests = max_inflight_requests  # None: from the decode batches
+        self.can_decode_across_nodes = can_decode_across_nodes  # False: stay on the prefill's node
         self.admission = AdmissionControl(max_waiting_requests, None, ttft_slo_s, admit_by_ttft)
         self.timelines: deque[Timeline] = deque(maxlen=TIMELINE_HISTORY)
         self.health = HealthPoller(
@@ -208,7 +211,8 @@ class Router:
                                      finish_reason=out.finish_reason)
                     if is_done:
                         return
-                    decode = pick_decode(self.decode, prefill.node, self.max_decode_batch)
+                    decode = pick_decode(self.decode, prefill.node, self.max_decode_batch,
+                                         self.can_decode_across_nodes)
                     timeline.decode_instance = decode.client.name
                     async for event in self._decode_on(decode, resumed, out, timeline):
                         streamed.extend(event.token_ids)

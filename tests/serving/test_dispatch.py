@@ -56,6 +56,27 @@ def test_decode_prefers_the_prefill_node_while_it_has_room():
         pick_decode([remote, local], "node-a", max_decode_batch=3)
 
 
+def test_decode_kept_on_the_prefill_node_queues_there_and_leaves_only_an_empty_node():
+    (remote,) = slots("d-b", node="node-b")
+    local_0, local_1 = slots("d-a0", "d-a1", node="node-a")
+    for slot in (local_0, local_1):
+        slot.take(10)
+        slot.take(10)
+    local_1.take(10)
+    local_0.kv_usage = 0.95
+    # local_0 has no room (KV), local_1 has (2 of 4): the roomy one, though busier
+    assert pick_decode([remote, local_0, local_1], "node-a", 4, can_cross_nodes=False) is local_1
+    local_1.take(10)  # now full too: the request queues on the least loaded of the node
+    assert pick_decode([remote, local_0, local_1], "node-a", 4, can_cross_nodes=False) is local_0
+    assert pick_decode([remote, local_0, local_1], "node-a", 4) is remote  # crossing allowed
+    local_0.is_draining, local_1.is_healthy = True, False  # none on the node can take it
+    assert pick_decode([remote, local_0, local_1], "node-a", 4, can_cross_nodes=False) is remote
+    # every node unknown (one machine): the node is everyone's, as with crossing allowed
+    d0, d1 = slots("d0", "d1")
+    d0.take(5)
+    assert pick_decode([d0, d1], None, None, can_cross_nodes=False) is d1
+
+
 def test_decode_elsewhere_goes_to_fewest_requests_then_least_kv():
     d0, d1, d2 = slots("d0", "d1", "d2")
     d0.take(10)

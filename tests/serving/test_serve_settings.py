@@ -37,6 +37,7 @@ def test_every_part_is_read_into_its_type_and_written_back_the_same():
     assert settings.parallel_of("prefill") == Parallelism(2, 1)
     assert settings.parallel_of("decode") == Parallelism(1, 1)  # none named: one rank
     assert settings.plan == PlanInfo("abc", prefill="tp2pp1x2", decode="tp1pp1x1")
+    assert settings.can_decode_across_nodes  # unless the document says otherwise
     again = ServeSettings.from_dict(json.loads(json.dumps(settings.to_dict())))
     assert again == settings
 
@@ -52,6 +53,7 @@ def test_every_part_is_read_into_its_type_and_written_back_the_same():
     ({"engine": {"model": "/m", "blocksize": 8}}, r"engine has unknown keys \['blocksize'\]"),
     ({"engine": {"model": "/m", "device": "tpu"}}, r"device: expected 'cpu' or 'cuda', got 'tpu'"),
     ({"max_batch": 4}, r"the document has unknown keys \['max_batch'\]"),
+    ({"can_decode_across_nodes": "no"}, r"can_decode_across_nodes must be true or false, got 'no'"),
 ])
 def test_a_bad_document_is_an_error_naming_the_field(change, message):
     with pytest.raises(ValueError, match=message):
@@ -77,3 +79,23 @@ def test_the_settings_and_the_operator_import_without_torch():
     code = ("import sys, distserve_engine.server.settings, distserve.local.settings, "
             "distserve.k8s.handlers; sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+class FakeClient:
+    """Only what the router reads of an instance client before it serves."""
+
+    def __init__(self, name: str, node: str) -> None:
+        self.name, self.url, self.node, self.is_draining = name, f"http://{name}:8001", node, False
+
+
+def test_the_router_keeps_decode_on_node_as_its_settings_say_and_a_reload_changes_it():
+    from distserve_engine.server.assembly import build_router
+    from distserve_engine.server.peers import apply_settings
+
+    clients = {"prefill": [FakeClient("p0", "n1")],
+               "decode": [FakeClient("d0", "n1"), FakeClient("d1", "n2")]}
+    router = build_router(ServeSettings.from_dict({**DOC, "can_decode_across_nodes": False}),
+                          clients, None)
+    assert router.can_decode_across_nodes is False
+    apply_settings(router, ServeSettings.from_dict(DOC), lambda peers: clients)
+    assert router.can_decode_across_nodes is True

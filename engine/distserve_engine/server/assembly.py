@@ -73,7 +73,8 @@ def build_router(settings: ServeSettings, role_to_clients: dict[str, list[Any]],
                   ttft_slo_s=settings.ttft_slo_s, tpot_slo_s=settings.tpot_slo_s,
                   max_decode_batch=settings.max_decode_batch,
                   max_inflight_requests=settings.max_inflight_requests,
-                  admit_by_ttft=settings.admit_by_ttft)
+                  admit_by_ttft=settings.admit_by_ttft,
+                  can_decode_across_nodes=settings.can_decode_across_nodes)
 
 
 def http_clients(peers: dict[str, list[Peer]]) -> dict[str, list[HttpInstanceClient]]:

@@ -31,6 +31,7 @@ def apply_settings(router: Router, settings: ServeSettings,
     """Give the router the settings' peers and limits."""
     router.max_waiting_requests = settings.max_waiting_requests
     router.max_decode_batch = settings.max_decode_batch
+    router.can_decode_across_nodes = settings.can_decode_across_nodes
     router.ttft_slo_s, router.tpot_slo_s = settings.ttft_slo_s, settings.tpot_slo_s
     router.set_peers(make_clients(settings.peers))
     if router.metrics is not None:  # a replan names a new plan in the same file

@@ -4,6 +4,7 @@
      "engine": {"model": "/path", "device": "cpu", "max_model_len": 2048, ...},  # EngineConfig
      "max_prefill_tokens": 512, "max_decode_batch": 32, "max_waiting_requests": 128,
      "max_inflight_requests": 256, "admit_by_ttft": false, "max_request_body_bytes": 2097152,
+     "can_decode_across_nodes": true,  # false: decode stays on the prefill's node
      "default_max_tokens": 256, "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
      "instances": {"prefill": 1, "decode": 1, "colocated": 0},   # for --role all
      "peers": {"prefill": ["http://p0:8001"], "decode": [...]},  # for --role router
@@ -156,6 +157,9 @@ class ServeSettings:
     max_waiting_requests: int = 128  # router refuses (429) beyond this many waiting
     max_inflight_requests: int | None = None  # 429 beyond; None: waiting + 2 decode batches each
     admit_by_ttft: bool = False  # 429 at once when the queue ahead would miss the TTFT SLO
+    # a decode instance on another node may take a request whose prefill's node has one
+    # (False under low node affinity: KV crosses only where the node has no decode)
+    can_decode_across_nodes: bool = True
     max_request_body_bytes: int = 2 * 1024 * 1024  # 413 beyond
     default_max_tokens: int | None = 256  # chat output limit when the client gives none
     slo: Slo = field(default_factory=Slo)
@@ -187,6 +191,9 @@ class ServeSettings:
         if not isinstance(self.max_request_body_bytes, int) or self.max_request_body_bytes < 1:
             raise ValueError(f"serve settings: max_request_body_bytes must be an integer >= 1, "
                              f"got {self.max_request_body_bytes!r}")
+        if not isinstance(self.can_decode_across_nodes, bool):
+            raise ValueError(f"serve settings: can_decode_across_nodes must be true or false, "
+                             f"got {self.can_decode_across_nodes!r}")
         if self.admit_by_ttft and self.ttft_slo_s is None:
             raise ValueError("serve settings: admit_by_ttft needs slo.ttft_s")
 
