@@ -337,7 +337,8 @@ def test_prefill_instance_and_simulator_batch_alike(case, sim_log):
 # --- dispatch ----------------------------------------------------------------------
 
 # (decode instances as (node, requests sent and not finished, KV usage), max batch,
-#  the instance both must pick); the prefill instance runs on node "a".
+#  the instance both must pick); the prefill instance runs on node "a" and decode may
+#  cross nodes.
 DISPATCH_CASES = [
     ("the local one while it has room", [("a", 3, 0.5), ("b", 0, 0.0)], 8, 0),
     ("the least loaded local one", [("a", 3, 0.5), ("a", 2, 0.6), ("b", 0, 0.0)], 8, 1),
@@ -346,13 +347,23 @@ DISPATCH_CASES = [
     ("another node when the local batch is full", [("a", 8, 0.2), ("b", 5, 0.5)], 8, 1),
     ("the least loaded when all are full", [("a", 8, 0.95), ("b", 9, 0.95)], 8, 0),
 ]
+# The same, where decode may not cross nodes (low node affinity).
+KEPT_ON_NODE_CASES = [
+    ("the local one while it has room", [("a", 3, 0.5), ("b", 0, 0.0)], 8, 0),
+    ("the least loaded local one with room", [("a", 1, 0.95), ("a", 3, 0.5), ("b", 0, 0.0)], 8, 1),
+    ("the local one when its KV is full", [("a", 1, 0.95), ("b", 4, 0.5)], 8, 0),
+    ("the local one when its batch is full", [("a", 8, 0.2), ("b", 5, 0.5)], 8, 0),
+    ("the least loaded local one when all local are full",
+     [("b", 0, 0.0), ("a", 9, 0.95), ("a", 8, 0.95)], 8, 2),
+    ("another node's when none is local", [("b", 4, 0.95), ("c", 5, 0.5)], 8, 1),
+]
 
 
-def sim_pick(decodes: list[tuple[str, int, float]], max_batch: int) -> int:
+def sim_pick(decodes: list[tuple[str, int, float]], max_batch: int, can_cross: bool) -> int:
     """The decode instance the simulator hands a request from the node-"a" prefill to."""
     trace = make_trace(Case("one", (10,), (2,), 1, kv_tokens=1000))
     sim = sim_disaggregated._Sim(trace, None)
-    sim.max_decode_batch = max_batch
+    sim.max_decode_batch, sim.can_decode_across_nodes = max_batch, can_cross
     fast, slow = 1e11, 1e8
     links = [[fast if node == "a" else slow for node, _, _ in decodes]]
     transfer = TransferModel(1.0, links)
@@ -362,7 +373,7 @@ def sim_pick(decodes: list[tuple[str, int, float]], max_batch: int) -> int:
         decode = sim_disaggregated._Decode(sim, i, model, max_batch, transfer, [1])
         decode.count, decode.promised_tokens = num_outstanding, int(kv_usage * capacity)
         sim.decodes.append(decode)
-    sim.nearest_decodes.append({d.idx for d in sim.decodes if links[0][d.idx] == fast})
+    sim.find_nearest_decodes(1)
     offered = []
     for decode in sim.decodes:
         decode.offer = lambda rid, p, idx=decode.idx: offered.append(idx)
@@ -370,16 +381,19 @@ def sim_pick(decodes: list[tuple[str, int, float]], max_batch: int) -> int:
     return offered[0]
 
 
-def engine_pick(decodes: list[tuple[str, int, float]], max_batch: int) -> int:
+def engine_pick(decodes: list[tuple[str, int, float]], max_batch: int, can_cross: bool) -> int:
     slots = [Slot(SimpleNamespace(name=f"d{i}", node=node), num_outstanding=n, kv_usage=kv)
              for i, (node, n, kv) in enumerate(decodes)]
-    return slots.index(pick_decode(slots, "a", max_batch))
+    return slots.index(pick_decode(slots, "a", max_batch, can_cross))
 
 
-@pytest.mark.parametrize("name, decodes, max_batch, expected", DISPATCH_CASES,
-                         ids=[c[0] for c in DISPATCH_CASES])
-def test_router_and_simulator_dispatch_alike(name, decodes, max_batch, expected):
-    assert engine_pick(decodes, max_batch) == sim_pick(decodes, max_batch) == expected
+@pytest.mark.parametrize(
+    "name, decodes, max_batch, expected, can_cross",
+    [(*c, True) for c in DISPATCH_CASES] + [(*c, False) for c in KEPT_ON_NODE_CASES],
+    ids=[c[0] for c in DISPATCH_CASES] + [f"kept on node: {c[0]}" for c in KEPT_ON_NODE_CASES])
+def test_router_and_simulator_dispatch_alike(name, decodes, max_batch, expected, can_cross):
+    assert (engine_pick(decodes, max_batch, can_cross) == sim_pick(decodes, max_batch, can_cross)
+            == expected)
 
 
 def test_simulator_imports_no_torch():

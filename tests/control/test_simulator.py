@@ -136,20 +136,19 @@ def test_two_replicas_on_their_own_nodes_serve_twice_the_rate_of_one():
     # each replica: a pipelined prefill instance and a decode instance of bounded KV on
     # one node, the network between nodes too slow for KV (5 s per 500-token prompt):
     # the router must balance the prefill instances (by tokens not yet prefilled, not
-    # by queue length, which a pipeline empties at once) and keep KV on its node.
-    # NOTE: the decode KV (100k tokens) leaves room: a decode instance at 90% KV has no
-    # room for the router, which then sends the KV to the other node (see the dispatch
-    # cases of test_conformance.py); over this network that costs seconds per request.
+    # by queue length, which a pipeline empties at once) and keep KV on its node, even
+    # while its decode instance is full (preempting), as a low-affinity deployment does.
     def replica():
-        return make_instance(pp=2), make_instance(kv_capacity_tokens=100_000)
+        return make_instance(pp=2), make_instance(kv_capacity_tokens=20000)
 
     (p0, d0), (p1, d1) = replica(), replica()
     fast, slow = 1e11, 1e7
     one = run_disaggregated(make_trace(300, 8.0, seed=9), prefill=[p0], decode=[d0])
     two = run_disaggregated(
         make_trace(600, 16.0, seed=9), prefill=[p0, p1], decode=[d0, d1],
-        transfer=TransferModel(1e5, [[fast, slow], [slow, fast]]),
+        transfer=TransferModel(1e5, [[fast, slow], [slow, fast]]), can_decode_across_nodes=False,
     )
+    assert one.num_preemptions > 0  # the decode instance runs full
     assert np.nanpercentile(two.tpot_s, 90) < 1.3 * np.nanpercentile(one.tpot_s, 90)
 
 

@@ -9,7 +9,9 @@ Decisions modelled (paper section 4.3):
 - a prefilled request keeps its KV in the prefill instance's memory and is handed to a
   decode instance as the router does (`distserve_engine.policy`): the least loaded
   (requests sent and not finished, then KV usage) among those with room on the fastest
-  link from its prefill instance, else with room anywhere, else any; the decode
+  link from its prefill instance (its node, in a placed plan), else with room anywhere,
+  else any; where decode may not cross nodes (low node affinity), the least loaded on
+  that link with room, else the least loaded on it; the decode
   instance pulls it (FCFS) once it has room for its prompt and first token beside the
   running requests' next step; prefill stops forming batches while its memory is full;
 - KV grows with the sequences; at a boundary whose next step does not fit, the most
@@ -21,11 +23,14 @@ Decisions modelled (paper section 4.3):
 NOTE: memory is counted in tokens (the engine counts blocks: the two agree at block
 size 1, and within a block per request otherwise). A lane's run is bounded by the memory
 left beside the other lanes as they stand at its start; they see each other's growth at
-their next boundary. Preferring the fastest link is what keeps the KV of replicated
+their next boundary. Keeping to the fastest link is what keeps the KV of replicated
 Algorithm 2 units on their node (the paper's premise): with least-loaded dispatch over
 all decode instances, half the KV of two replicas would cross the network and the pair
-would serve less than one replica. KV pulls into one decode instance go one at a time
-over the link between the two instances.
+would serve less than one replica; and a preference alone sends KV across whenever
+the node's decode instances are near full, as they are under load. A prefill instance
+with no decode instance on its node has all of them on its fastest link (the network),
+so keeping to that link falls back to the others as the router does. KV pulls into one
+decode instance go one at a time over the link between the two instances.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class _Sim:
         self.prefills: list[_Prefill] = []
         self.decodes: list[_Decode] = []
         self.nearest_decodes: list[set[int]] = []  # per prefill: decodes on its fastest link
+        self.can_decode_across_nodes = True  # False: a request stays with its nearest decodes
         self.is_prefill_only = False
         self.max_decode_batch = 0
 
@@ -95,14 +101,24 @@ class _Sim:
         else:
             self.hand_to_decode(rid, prefill.idx)
 
+    def find_nearest_decodes(self, num_prefills: int) -> None:
+        """Per prefill instance, the decodes on its fastest link: on its node in a placed
+        plan, or all of them where none is (or every link is the same)."""
+        for p in range(num_prefills):
+            fastest = min((d.s_per_token[p] for d in self.decodes), default=0.0)
+            self.nearest_decodes.append({d.idx for d in self.decodes if d.s_per_token[p] == fastest})
+
     def hand_to_decode(self, rid: int, prefill_idx: int) -> None:
         """The router's `pick_decode`: least loaded with room near the prefill, else with
-        room anywhere, else any."""
+        room anywhere, else any; kept near (no crossing), least loaded near with room,
+        else least loaded near."""
         decodes = self.decodes
         if len(decodes) > 1:
             loads = [(d.load(), d.kv_usage(), d.idx) for d in decodes]
-            roomy = [x for x in loads if policy.has_decode_room(x[0], x[1], self.max_decode_batch)]
             near = self.nearest_decodes[prefill_idx] if prefill_idx >= 0 else None
+            if near is not None and not self.can_decode_across_nodes:
+                loads = [x for x in loads if x[2] in near]
+            roomy = [x for x in loads if policy.has_decode_room(x[0], x[1], self.max_decode_batch)]
             local = [x for x in roomy if near is None or x[2] in near]
             decodes = [decodes[min(local or roomy or loads)[2]]]
         decodes[0].offer(rid, prefill_idx)
@@ -359,11 +375,14 @@ def simulate_disaggregated(
     slo: SLO | None = None,
     max_prefill_tokens: int | Sequence[int] = 512,
     max_decode_batch: int = 256,
+    can_decode_across_nodes: bool = True,
 ) -> SimResult:
     """Run one trial. An empty `prefill` simulates decode alone (requests arrive
     prefilled); an empty `decode` simulates prefill alone (requests end at their first
     token). With `slo`, the trial stops once the attainment target is out of reach.
-    `max_prefill_tokens`: Lm of every prefill instance, or one per instance."""
+    `max_prefill_tokens`: Lm of every prefill instance, or one per instance.
+    `can_decode_across_nodes` False (low node affinity): a prefilled request goes to a
+    decode instance on its prefill's fastest link (its node), full or not."""
     sim = _Sim(trace, slo)
     lms = ([max_prefill_tokens] * len(prefill) if isinstance(max_prefill_tokens, int)
            else list(max_prefill_tokens))
@@ -374,9 +393,8 @@ def simulate_disaggregated(
     ]
     sim.is_prefill_only = not decode
     sim.max_decode_batch = max_decode_batch
-    for p in range(len(sim.prefills)):
-        fastest = min((d.s_per_token[p] for d in sim.decodes), default=0.0)
-        sim.nearest_decodes.append({d.idx for d in sim.decodes if d.s_per_token[p] == fastest})
+    sim.can_decode_across_nodes = can_decode_across_nodes
+    sim.find_nearest_decodes(len(sim.prefills))
     sim.loop.arrivals(trace.arrival_s.tolist(), sim.arrive)
     sim.loop.run()
     return sim.rec.result()
