@@ -43,6 +43,14 @@ class PhaseConfig:
         return self.gpus_per_instance * self.instances
 
 
+def is_low_affinity(algorithm: str, node_affinity: str) -> bool:
+    """Whether a plan keeps each stage's segments on one node and decode on its prefill's
+    node (Algorithm 2; a fixed plan follows the spec's `cluster.nodeAffinity`)."""
+    if algorithm == "fixed":
+        return node_affinity == "low"
+    return algorithm == "low-affinity"
+
+
 @dataclass(frozen=True)
 class SegmentPlacement:
     """One pipeline stage of one instance, pinned to GPUs of one node."""

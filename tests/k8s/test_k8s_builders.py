@@ -163,6 +163,26 @@ def test_router_peers_leave_out_draining_instances_carry_nodes_and_do_not_roll_t
     assert deployments[0] == deployments[1]  # peers reach the running router through the ConfigMap
 
 
+def test_router_keeps_decode_on_node_under_low_affinity_and_across_a_refresh():
+    owner, live = make_owner(), workers.instance_endpoints(make_revision())
+    high_spec = make_spec(cluster={"nodes": 2, "gpusPerNode": 8, "accelerator": "A100-80GB",
+                                   "nodeAffinity": "high"})
+
+    def served(spec, plan):
+        config = router.build_router_config(owner, spec, live, plan)
+        doc = json.loads(router.build_router_config_map_spec(owner, spec, config)["data"]["serve.json"])
+        return doc["can_decode_across_nodes"], config
+
+    low, config = served(make_spec(), make_plan("low-affinity"))
+    assert low is False
+    # an update or refresh hands the earlier config's plan back: the rule stays
+    assert served(make_spec(), config["plan"])[0] is False
+    assert served(high_spec, make_plan("high-affinity"))[0] is True
+    # a fixed placement follows the spec's nodeAffinity (default low)
+    assert served(make_spec(), make_plan("fixed"))[0] is False
+    assert served(high_spec, make_plan("fixed"))[0] is True
+
+
 def test_pods_finish_in_flight_requests_within_their_grace_period():
     owner, revision = make_owner(), make_revision()
     config = router.build_router_config(owner, revision.spec, workers.instance_endpoints(revision))

@@ -29,7 +29,7 @@ from distserve.k8s.workers import (
     build_lifecycle,
 )
 from distserve.local.settings import plan_settings, serve_settings
-from distserve.plan import Plan
+from distserve.plan import Plan, is_low_affinity
 from distserve_engine.server.settings import PlanInfo, ServeSettings
 
 ROUTER_CONFIG_DIR = "/etc/distserve/router"
@@ -44,15 +44,18 @@ def build_router_config(
     plan: Plan | dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The full view: every instance of every live revision, draining ones marked
-    (see `applying.route_instances`), and the plan being served (for the metrics)."""
+    (see `applying.route_instances`), and the plan being served (for the metrics, and
+    its algorithm for the router's decode dispatch)."""
     config = {
         "deployment": owner.name,
         "model": spec.model.name,
         "port": spec.engine.port,
         "instances": instances,
     }
-    if plan is not None:  # a Plan, or the settings an earlier config already holds
-        config["plan"] = plan if isinstance(plan, dict) else dataclasses.asdict(plan_settings(plan))
+    if isinstance(plan, Plan):
+        config["plan"] = {**dataclasses.asdict(plan_settings(plan)), "algorithm": plan.algorithm}
+    elif plan is not None:  # the plan an earlier config already holds
+        config["plan"] = plan
     return config
 
 
@@ -67,12 +70,19 @@ def router_peers(config: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 
 
 def build_router_settings(spec: specs.DistServeDeploymentSpec, config: dict[str, Any]) -> ServeSettings:
-    """The router's engine settings: the local launcher's, plus the live peers."""
+    """The router's engine settings: the local launcher's, plus the live peers, the plan,
+    and whether decode may leave a prefill's node (not under low node affinity, where
+    KV crosses the network only from a node without decode instances)."""
     peers = router_peers(config)
     counts = {role: len(urls) for role, urls in peers.items()}
     settings = serve_settings(spec, counts, config["deployment"], weights.model_path(spec))
-    plan = PlanInfo.from_dict(config["plan"]) if config.get("plan") else None
-    return dataclasses.replace(settings, peers=peers, plan=plan)
+    plan_doc = dict(config.get("plan") or {})
+    # NOTE: a plan of unknown algorithm (none yet, or a config written before it was
+    # kept) follows the spec's nodeAffinity, as a fixed plan does.
+    algorithm = plan_doc.pop("algorithm", "fixed")
+    return dataclasses.replace(
+        settings, peers=peers, plan=PlanInfo.from_dict(plan_doc) if plan_doc else None,
+        can_decode_across_nodes=not is_low_affinity(algorithm, spec.cluster.node_affinity))
 
 
 def build_router_config_map_spec(

@@ -22,7 +22,7 @@ from typing import Any
 from distserve.k8s import gang, naming, pods, scraping, weights
 from distserve.k8s.nodes import GPU_RESOURCE, is_cpu_spec
 from distserve.local.settings import serve_settings
-from distserve.plan import SegmentPlacement
+from distserve.plan import SegmentPlacement, is_low_affinity
 from distserve_engine.server.settings import ServeSettings
 
 CONFIG_DIR = "/etc/distserve"
@@ -116,7 +116,7 @@ def build_instance_service_spec(revision: naming.Revision, role: str, instance: 
 
 def build_affinity(revision: naming.Revision, segment: SegmentPlacement, known_nodes: set[str]) -> dict[str, Any] | None:
     """The pod's affinity to its planned node, per the plan's node affinity."""
-    is_low = _is_low_affinity(revision)
+    is_low = is_low_affinity(revision.plan.algorithm, revision.spec.cluster.node_affinity)
     if segment.node in known_nodes:
         term = {"matchExpressions": [
             {"key": HOSTNAME_LABEL, "operator": "In", "values": [segment.node]}]}
@@ -133,14 +133,6 @@ def build_affinity(revision: naming.Revision, segment: SegmentPlacement, known_n
         "topologyKey": HOSTNAME_LABEL,
     }
     return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [together]}}
-
-
-def _is_low_affinity(revision: naming.Revision) -> bool:
-    """Whether segments of one stage must share a node (a fixed plan follows the spec)."""
-    algorithm = revision.plan.algorithm
-    if algorithm == "fixed":
-        return revision.spec.cluster.node_affinity == "low"
-    return algorithm == "low-affinity"
 
 
 def build_resources(revision: naming.Revision, role: str, gpus: int) -> dict[str, Any]:
