@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import kubernetes_validate
 from k8s_factories import NODES, make_owner, make_plan, make_revision, make_spec
 
 from distserve.k8s import naming, router, workers
+from distserve.search.placement import place_units
+from distserve.search.trials import Config, Unit
 
 KNOWN = set(NODES)
 
@@ -181,6 +184,16 @@ def test_router_keeps_decode_on_node_under_low_affinity_and_across_a_refresh():
     # a fixed placement follows the spec's nodeAffinity (default low)
     assert served(make_spec(), make_plan("fixed"))[0] is False
     assert served(high_spec, make_plan("fixed"))[0] is True
+
+
+def test_algorithm_2_pairs_of_unequal_stages_are_on_the_same_node_for_the_router():
+    # one unit over two nodes: prefill's 2 stages one per node, decode's 4 two per node
+    unit = Unit(Config(1, 2), Config(1, 4), 1, 1, 0.0)
+    plan = dataclasses.replace(make_plan("low-affinity", prefill=(1, 2, 1), decode=(1, 4, 1)),
+                               segments=place_units(list(NODES), 8, unit, 2, 1))
+    peers = router.router_peers(router.build_router_config(
+        make_owner(), make_spec(), workers.instance_endpoints(make_revision(plan))))
+    assert peers["prefill"][0]["node"] == peers["decode"][0]["node"] == ",".join(NODES[:2])
 
 
 def test_pods_finish_in_flight_requests_within_their_grace_period():

@@ -61,9 +61,11 @@ def instance_endpoints(revision: naming.Revision) -> list[dict[str, Any]]:
                     "revision": revision.id,
                     "url": f"http://{host}:{port}",
                     "stages": phase.pp,
-                    # Where its stages run: a decode instance with the same nodes as a
-                    # prefill instance pulls KV over the nodes' fast links (Algorithm 2).
-                    "node": ",".join(key_to_nodes.get((role, instance), [])),
+                    # Where its stages run, each node once in stage order: a decode
+                    # instance with the same nodes as a prefill instance pulls KV over
+                    # the nodes' fast links (Algorithm 2, whose prefill and decode may
+                    # have different numbers of stages on each node).
+                    "node": ",".join(dict.fromkeys(key_to_nodes.get((role, instance), []))),
                 }
             )
     return endpoints
