@@ -103,6 +103,17 @@ def test_replicated_units_serve_the_rate_when_simulated_together():
     assert whole.attainment(ctx.slo) >= 0.9
 
 
+def test_trials_keep_decode_on_node_where_the_deployment_s_router_will():
+    fixed = {"prefill": {"tp": 2, "pp": 1, "instances": 1},
+             "decode": {"tp": 1, "pp": 1, "instances": 2}}
+    assert not build_context(make_spec()).can_decode_across_nodes  # auto: low affinity
+    assert not build_context(make_spec(placement=fixed)).can_decode_across_nodes
+    high = {"nodeAffinity": "high"}
+    assert build_context(make_spec(cluster=high)).can_decode_across_nodes
+    assert build_context(make_spec(cluster=high, placement=fixed)).can_decode_across_nodes
+    assert build_context(make_spec(planner={"algorithm": "high-affinity"})).can_decode_across_nodes
+
+
 def test_fixed_placement_is_simulated_not_searched():
     plan = plan_deployment(make_spec(placement={
         "prefill": {"tp": 2, "pp": 1, "instances": 1}, "decode": {"tp": 1, "pp": 1, "instances": 2},

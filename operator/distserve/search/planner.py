@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from distserve.catalog import get_accelerator, get_model
 from distserve.catalog.accelerators import GBIT_BYTES
 from distserve.latency import Correction, SourceChoice, choose_source
-from distserve.plan import PhaseConfig, Plan
+from distserve.plan import PhaseConfig, Plan, is_low_affinity
 from distserve.search.algorithms import UnitChoice
 from distserve.search.baselines import baseline_configs, best_baselines
 from distserve.search.candidates import ClusterShape, Config, instance_configs
@@ -82,9 +82,7 @@ def plan_deployment(
     )
     max_gpus = min(spec.planner.max_gpus or cluster.num_gpus, cluster.num_gpus)
     sizing = Sizing(None if is_capacity else rate, is_capacity, Room(names, per_node, max_gpus))
-    algorithm = spec.planner.algorithm
-    if algorithm == "auto":
-        algorithm = "low-affinity" if spec.cluster.node_affinity == "low" else "high-affinity"
+    algorithm = plan_algorithm(spec)
     with _pool(spec.planner.workers) as pmap:
         if spec.placement is not None:
             plan = _fixed(pmap, ctx, spec, names, per_node, rate)
@@ -102,6 +100,17 @@ def plan_deployment(
         elif overrides.with_baselines:
             progress(f"baselines skipped: {ctx.latency.profile_path} has no colocated engine")
     return _replace(plan, baselines=base, search_seconds=time.perf_counter() - started)
+
+
+def plan_algorithm(spec: DistServeDeploymentSpec) -> str:
+    """The algorithm the spec's plan comes from: "fixed" for a placement given, else the
+    planner's (auto follows cluster.nodeAffinity)."""
+    if spec.placement is not None:
+        return "fixed"
+    algorithm = spec.planner.algorithm
+    if algorithm == "auto":
+        algorithm = "low-affinity" if spec.cluster.node_affinity == "low" else "high-affinity"
+    return algorithm
 
 
 def resolve_cluster(
@@ -146,6 +155,7 @@ def build_context(
         intra_node_bytes_per_s=accelerator.intra_node_link_bytes_per_s,
         inter_node_bytes_per_s=inter,
         correction=overrides.correction or Correction(),
+        can_decode_across_nodes=not is_low_affinity(plan_algorithm(spec), spec.cluster.node_affinity),
     )
 
 

@@ -1,9 +1,10 @@
 """How many copies of which Algorithm 2 units serve the target rate, checked by simulation.
 
 The units' goodputs summed are only an estimate of what the copies serve together:
-the router sends a prefilled request to the least loaded decode instance of any copy,
-so some KV crosses the slow network between nodes (worse than each copy alone), while
-many instances share the bursts of one stream of arrivals (better). So the copies
+many instances share the bursts of one stream of arrivals (better than each copy
+alone), while the router keeps a prefilled request on its prefill's node (low node
+affinity), where it queues while another node's decode instances have room (worse;
+KV crosses the network only from a node with no decode instance). So the copies
 `packing` chose are placed and simulated together, and chosen again for the rate
 scaled by how far the simulation fell from the estimate: larger while they fall short
 of `workload.rateRps`, smaller while fewer GPUs may still serve it, until no other mix

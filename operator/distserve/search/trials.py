@@ -60,6 +60,9 @@ class SearchContext:
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     min_duration_s: float = 60.0  # a trial spans at least this much arrival time
+    # False under low node affinity: decode stays on its prefill's node, as the router
+    # of such a deployment does (`plan.is_low_affinity`)
+    can_decode_across_nodes: bool = True
     correction: Correction = Correction()  # per-phase factors fitted on a running deployment
 
     def trial_trace(self, rate_rps: float) -> Trace:
@@ -172,6 +175,7 @@ def simulate_unit(
         transfer=TransferModel(kv_bytes, every.link_bytes_per_s), slo=slo,
         max_prefill_tokens=[prefill_tokens(ctx, c) for c in every.prefill],
         max_decode_batch=ctx.max_decode_batch,
+        can_decode_across_nodes=ctx.can_decode_across_nodes,
     )
 
 
