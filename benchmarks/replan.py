@@ -220,6 +220,7 @@ def simulate(
         transfer=TransferModel(get_model(truth.model).kv_bytes_per_token, unit.link_bytes_per_s),
         max_prefill_tokens=prefill_tokens(truth, unit.prefill),
         max_decode_batch=truth.max_decode_batch,
+        can_decode_across_nodes=truth.can_decode_across_nodes,
     )
     s.ttft_s[index], s.tpot_s[index] = result.ttft_s, result.tpot_s
 
