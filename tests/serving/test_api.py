@@ -56,6 +56,10 @@ def test_models_lists_the_served_model(deployment):
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),  # numbers are JSON numbers
+    ({"prompt": "x", "seed": True}, "seed"),
+    ({"prompt": "x", "seed": 1.5}, "seed"),
+    ({"prompt": "x", "stream": 1}, "stream"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "n": 2}, "n"),

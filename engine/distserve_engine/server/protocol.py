@@ -30,6 +30,7 @@ class BadRequest(ValueError):
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, strict=True)]  # strict: true and false are no token ids
+# Numbers and flags are strict too: "5", 5.0 or true is no max_tokens (the document says integer).
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
@@ -43,7 +44,7 @@ class StreamOptions(BaseModel):
     """`stream_options`: only `include_usage` is meaningful."""
 
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: bool = Field(default=False, strict=True)
 
 
 class _SamplingFields(BaseModel):
@@ -52,17 +53,17 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=-1, ge=-1)  # vLLM extension
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
+    temperature: float = Field(default=1.0, ge=0, le=2, strict=True)
+    top_p: float = Field(default=1.0, gt=0, le=1, strict=True)
+    top_k: int = Field(default=-1, ge=-1, strict=True)  # vLLM extension
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1, strict=True)
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None = None
     stop_token_ids: list[TokenId] | None = None  # vLLM extension
-    ignore_eos: bool = False  # vLLM extension (benchmarks)
-    stream: bool = False
+    ignore_eos: bool = Field(default=False, strict=True)  # vLLM extension (benchmarks)
+    stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)  # one choice per request
+    n: int = Field(default=1, ge=1, le=1, strict=True)  # one choice per request
     # Not implemented (see UNSUPPORTED): accepted at their no-op values only.
     logprobs: _only({"const": False}, {"const": 0}) = None
     top_logprobs: _only({"const": 0}) = None
@@ -74,8 +75,8 @@ class _SamplingFields(BaseModel):
     tool_choice: _only({"const": "none"}) = None
     functions: _only({"type": "array", "maxItems": 0}) = None
     function_call: _only({"const": "none"}) = None
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2, strict=True)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2, strict=True)
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -153,7 +154,7 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
 
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens (the newer name) wins over max_tokens."""
