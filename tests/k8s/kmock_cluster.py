@@ -114,7 +114,7 @@ def make_resource(name: str, spec: dict[str, Any], **annotations: str) -> dict[s
     }
 
 
-async def wait_for(check, timeout_s: float = 60.0, what: str = "condition"):
+async def wait_for(check, timeout_s: float = 180.0, what: str = "condition"):
     """Poll an async check until it returns something truthy."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
