@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from distserve.catalog import get_accelerator, get_model
-from distserve.local.machine import cpu_model
+from distserve.local.machine import cpu_model, torch_version
 from distserve.spec import DistServeDeploymentSpec, SpecError, load_manifest
 
 NAME = "profile"
@@ -187,7 +187,7 @@ def _provenance(command: str, measured: Any, load_before: tuple[float, float, fl
     # NOTE: `distserve up` reads this section back (`distserve.local.machine`) to tell
     # whether a profile was measured on the machine that serves.
     device = {"type": measured.device, "threads": measured.threads, "cpu_model": cpu,
-              "cpu_cores": os.cpu_count(), "torch": torch.__version__}
+              "cpu_cores": os.cpu_count(), "torch": torch_version()}  # as `up` reads this machine's
     if measured.device.startswith("cuda"):
         device["gpu_model"] = torch.cuda.get_device_name(measured.device)
     where = device.get("gpu_model") or f"{measured.threads} thread(s) of {cpu}"
