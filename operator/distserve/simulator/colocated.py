@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from distserve.simulator.batch import DecodeRun
+from distserve.simulator.batch import DecodeRun, held_by_others
 from distserve.simulator.events import EventLoop
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
 from distserve.simulator.timing import InstanceModel
@@ -42,12 +42,7 @@ class _Instance:
 
     def budget_tokens(self, lane: _Lane | None = None) -> int:
         """KV tokens free for `lane`'s batch (for a newcomer when None)."""
-        lanes = self.lanes
-        if len(lanes) == 1:
-            others = 0 if lane is not None else lanes[0].run.tokens_held()
-        else:
-            others = sum(x.run.tokens_held() for x in lanes if x is not lane)
-        return self.inst.kv_capacity_tokens - self.promised_tokens - others
+        return self.inst.kv_capacity_tokens - self.promised_tokens - held_by_others(self.lanes, lane)
 
     def can_admit(self, rid: int) -> bool:
         return policy.can_admit(self.count, self.max_batch, self.sim.held[rid],

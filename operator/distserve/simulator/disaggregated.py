@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from distserve.simulator.batch import DecodeRun
+from distserve.simulator.batch import DecodeRun, held_by_others
 from distserve.simulator.events import EventLoop
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
 from distserve.simulator.timing import InstanceModel
@@ -204,12 +204,7 @@ class _Decode:
 
     def budget_tokens(self, lane: _Lane | None = None) -> int:
         """KV tokens free for `lane`'s batch (for a newcomer when None)."""
-        lanes = self.lanes
-        if len(lanes) == 1:
-            others = 0 if lane is not None else lanes[0].run.tokens_held()
-        else:
-            others = sum(x.run.tokens_held() for x in lanes if x is not lane)
-        return self.inst.kv_capacity_tokens - self.promised_tokens - others
+        return self.inst.kv_capacity_tokens - self.promised_tokens - held_by_others(self.lanes, lane)
 
     def kv_usage(self) -> float:
         """Share of KV held or promised, as the instance reports it."""
