@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from distserve import spec as specs
@@ -73,6 +74,19 @@ def make_plan(
         search_seconds=1.5,
         baselines={"colocated": BaselineResult("colocated", 2, 1, 1, 2, 1.0, 0.5)},
     )
+
+
+def make_mixed_plan() -> Plan:
+    """A mixed plan on one node: prefill one tp2 instance then one tp1 pp2, decode two tp1."""
+    segments = (
+        SegmentPlacement("prefill", 0, 0, NODES[0], (0, 1)),
+        SegmentPlacement("prefill", 1, 0, NODES[0], (2,)),
+        SegmentPlacement("prefill", 1, 1, NODES[0], (3,)),
+        SegmentPlacement("decode", 0, 0, NODES[0], (4,)),
+        SegmentPlacement("decode", 1, 0, NODES[0], (5,)),
+    )
+    return dataclasses.replace(make_plan("high-affinity", (2, 1, 1), (1, 1, 2)),
+                               segments=segments, extra_prefill=(PhaseConfig(1, 2, 1),))
 
 
 def make_owner(name: str = "opt") -> naming.Owner:

@@ -6,11 +6,12 @@ import dataclasses
 import json
 
 import kubernetes_validate
-from k8s_factories import NODES, make_owner, make_plan, make_revision, make_spec
+from k8s_factories import NODES, make_mixed_plan, make_owner, make_plan, make_revision, make_spec
 
 from distserve.k8s import naming, router, workers
 from distserve.search.placement import place_units
 from distserve.search.trials import Config, Unit
+from distserve_engine.server.settings import ServeSettings
 
 KNOWN = set(NODES)
 
@@ -146,7 +147,34 @@ def test_worker_container_args_and_config():
     assert volume == config_map["metadata"]["name"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["MASTER_ADDR"] == f"s0.opt-{revision.id}-p0.serving.svc"
-    assert env["DISTSERVE_PIPELINE_STAGES"] == "1"
+    assert settings["parallel"][args["--instance"]] == {"tp": 2, "pp": 1}
+
+
+def test_a_mixed_plan_s_pods_each_find_their_own_tp_and_pp_in_the_config_and_no_env():
+    plan = make_mixed_plan()
+    revision = make_revision(plan)
+    config_map = workers.build_engine_config_map_spec(revision)
+    settings = ServeSettings.from_dict(json.loads(config_map["data"]["serve.json"]))
+    pods = _pods(revision)
+    assert len(pods) == len(plan.segments) == 5
+    for pod in pods:
+        container = pod["spec"]["containers"][0]
+        args = dict(zip(container["args"][::2], container["args"][1::2], strict=True))
+        labels = pod["metadata"]["labels"]
+        phase = plan.phase_of(labels[naming.ROLE_LABEL], int(labels[naming.INSTANCE_LABEL]))
+        parallel = settings.parallel_of(args["--role"], args["--instance"])
+        assert (parallel.tp, parallel.pp) == (phase.tp, phase.pp)
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == phase.tp
+        env = {e["name"] for e in container["env"]}
+        assert not env & {"DISTSERVE_TENSOR_PARALLEL", "DISTSERVE_PIPELINE_STAGES", "TP", "PP"}
+    shapes = {args_of(p)["--instance"]: settings.parallel[args_of(p)["--instance"]] for p in pods}
+    assert sorted((s.tp, s.pp) for s in shapes.values()) == [(1, 1), (1, 1), (1, 2), (2, 1)]
+
+
+def args_of(pod: dict) -> dict[str, str]:
+    """The engine container's `--flag value` arguments."""
+    args = pod["spec"]["containers"][0]["args"]
+    return dict(zip(args[::2], args[1::2], strict=True))
 
 
 def test_router_peers_leave_out_draining_instances_carry_nodes_and_do_not_roll_the_router():

@@ -35,8 +35,8 @@ def completions(url: str, max_tokens: int = 8) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", [
-    {"prefill": {"tp": 2, "pp": 1}, "decode": {"tp": 1, "pp": 2}},
-    {"prefill": {"tp": 1, "pp": 2}, "decode": {"tp": 2, "pp": 1}},
+    {"prefill-0": {"tp": 2, "pp": 1}, "decode-0": {"tp": 1, "pp": 2}},
+    {"prefill-0": {"tp": 1, "pp": 2}, "decode-0": {"tp": 2, "pp": 1}},
 ])
 def test_multi_rank_instances_give_one_rank_tokens(tiny_llama, deployment, parallel):
     reference_url, _ = deployment
@@ -49,22 +49,35 @@ def test_multi_rank_instances_give_one_rank_tokens(tiny_llama, deployment, paral
 
 
 def test_launcher_gives_each_rank_a_core(tmp_path):
-    settings = ServeSettings(EngineConfig("/models/x"), instances={"prefill": 1, "decode": 1},
-                             parallel={"prefill": Parallelism(tp=2, pp=1)})
+    settings = ServeSettings(EngineConfig("/models/x"), instances={"prefill": 2, "decode": 1},
+                             parallel={"prefill-1": Parallelism(tp=2, pp=1)})
     procs = plan_processes(settings, tmp_path / "serve.json", "127.0.0.1", 9000, num_cores=4)
-    assert [p.cores for p in procs] == [[0, 1], [2], None]
+    assert [(p.name, p.cores) for p in procs] == [
+        ("prefill-0", [0]), ("prefill-1", [1, 2]), ("decode-0", [3]), ("router-0", None)]
 
 
-def test_layout_from_settings_and_pod_env(tmp_path):
+def test_layout_from_the_instance_s_entry_and_the_pod_s_stage(tmp_path):
     config = tmp_path / "serve.json"
-    config.write_text('{"engine": {"model": "/models/x"}, "parallel": {"prefill": {"tp": 2, "pp": 2}}}')
-    local = layout_for(config, "prefill", env={})
+    config.write_text('{"engine": {"model": "/models/x"}, "parallel": {'
+                      '"prefill-0": {"tp": 2, "pp": 2}, "prefill-1": {"tp": 1, "pp": 1}}}')
+    local = layout_for(config, "prefill", "prefill-0", env={})
     assert (local.world_size, local.local_ranks) == (4, [0, 1, 2, 3])
     assert local.init_method.startswith("tcp://127.0.0.1:")
-    assert layout_for(config, "decode", env={}) == RankLayout()
-    pod = layout_for(config, "prefill", env={"DISTSERVE_STAGE": "1", "DISTSERVE_PIPELINE_STAGES": "2",
-                                             "DISTSERVE_TENSOR_PARALLEL": "2", "MASTER_ADDR": "s0.p0",
-                                             "MASTER_PORT": "29500"})
+    assert layout_for(config, "prefill", "prefill-1", env={}) == RankLayout()
+    assert layout_for(config, "decode", "decode-0", env={}) == RankLayout()
+    pod_env = {"DISTSERVE_STAGE": "1", "MASTER_ADDR": "s0.p0", "MASTER_PORT": "29500"}
+    pod = layout_for(config, "prefill", "prefill-0", env=pod_env)
+    assert (pod.tp, pod.pp) == (2, 2)
     assert (pod.local_ranks, pod.is_driver, pod.init_method) == ([2, 3], False, "tcp://s0.p0:29500")
     assert local.split_cores([0, 1, 2, 3, 4, 5, 6, 7]) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert local.split_cores([0]) == [[0]] * 4
+
+
+def test_a_pod_whose_instance_the_settings_do_not_name_is_an_error_naming_it(tmp_path):
+    config = tmp_path / "serve.json"
+    config.write_text('{"engine": {"model": "/models/x"}, "parallel": {"prefill-0": {"pp": 2}}}')
+    pod_env = {"DISTSERVE_STAGE": "1", "MASTER_ADDR": "s0.p0"}
+    with pytest.raises(ValueError, match="parallel has no entry for instance 'prefill-9'"):
+        layout_for(config, "prefill", "prefill-9", env=pod_env)
+    with pytest.raises(ValueError, match=r"DISTSERVE_STAGE 2: parallel\.prefill-0\.pp is 2"):
+        layout_for(config, "prefill", "prefill-0", env={**pod_env, "DISTSERVE_STAGE": "2"})

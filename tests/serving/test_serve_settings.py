@@ -22,7 +22,7 @@ DOC = {
     "instances": {"prefill": 2, "decode": 1},
     "peers": {"prefill": ["http://p0:8001", "p1=http://p1:8001"],
               "decode": [{"name": "d0", "url": "http://d0:8001", "node": "n1", "draining": True}]},
-    "parallel": {"prefill": {"tp": 2, "pp": 1}},
+    "parallel": {"prefill-0": {"tp": 2, "pp": 1}, "prefill-1": {"tp": 1, "pp": 2}},
     "plan": {"id": "abc", "prefill": "tp2pp1x2", "decode": "tp1pp1x1"},
 }
 
@@ -34,8 +34,9 @@ def test_every_part_is_read_into_its_type_and_written_back_the_same():
     assert settings.peers["prefill"] == [Peer("prefill-0", "http://p0:8001"),
                                          Peer("p1", "http://p1:8001")]
     assert settings.peers["decode"] == [Peer("d0", "http://d0:8001", "n1", draining=True)]
-    assert settings.parallel_of("prefill") == Parallelism(2, 1)
-    assert settings.parallel_of("decode") == Parallelism(1, 1)  # none named: one rank
+    assert settings.parallel_of("prefill", "prefill-0") == Parallelism(2, 1)
+    assert settings.parallel_of("prefill", "prefill-1") == Parallelism(1, 2)
+    assert settings.parallel_of("decode", "decode-0") == Parallelism(1, 1)  # none named: one rank
     assert settings.plan == PlanInfo("abc", prefill="tp2pp1x2", decode="tp1pp1x1")
     assert settings.can_decode_across_nodes  # unless the document says otherwise
     again = ServeSettings.from_dict(json.loads(json.dumps(settings.to_dict())))
@@ -43,9 +44,10 @@ def test_every_part_is_read_into_its_type_and_written_back_the_same():
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"parallel": {"prefill": {"tp": 0}}}, r"parallel\.tp must be an integer >= 1, got 0"),
-    ({"parallel": {"prefil": {"tp": 2}}}, r"parallel has unknown roles \['prefil'\]"),
-    ({"parallel": {"prefill": {"tp": 2, "dp": 2}}}, r"parallel\.<role> has unknown keys \['dp'\]"),
+    ({"parallel": {"prefill-0": {"tp": 0}}}, r"parallel\.prefill-0\.tp must be an integer >= 1, got 0"),
+    ({"parallel": {"decode-1": {"pp": "2"}}}, r"parallel\.decode-1\.pp must be an integer >= 1"),
+    ({"parallel": {"prefill-0": {"tp": 2, "dp": 2}}}, r"parallel\.prefill-0 has unknown keys \['dp'\]"),
+    ({"parallel": [{"tp": 2}]}, r"parallel must be an object keyed by instance name"),
     ({"peers": {"decode": [{"name": "d0"}]}}, r"peers\.decode\[0\] needs a url"),
     ({"slo": {"ttft_s": -1}}, r"slo\.ttft_s must be a number > 0, got -1"),
     ({"slo": {"ttft": 1}}, r"slo has unknown keys \['ttft'\]"),

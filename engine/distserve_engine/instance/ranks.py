@@ -1,13 +1,15 @@
 """Where an instance's tp x pp ranks run: which ranks this process starts, and the rendezvous.
 
 Decided before torch is imported (a process pins its cores first), so this module reads
-only the settings file and the environment. Three ways to be started:
+only the settings file and the environment. The instance's tp and pp always come from
+the settings' `parallel` entry of its name (`--instance`); the environment says only
+where this process sits among the ranks. Three ways to be started:
 - `distserve up` (nothing in the environment): this process is rank 0 and starts every
   other rank of its instance on this host, one slice of `--cpu-cores` each; the
   rendezvous is a free port on 127.0.0.1.
-- A Kubernetes pod of one pipeline stage (`DISTSERVE_STAGE`, `DISTSERVE_PIPELINE_STAGES`,
-  `DISTSERVE_TENSOR_PARALLEL`, `MASTER_ADDR`, `MASTER_PORT`): this process is rank
-  stage * tp and starts the stage's other tp ranks; stage 0 serves the instance.
+- A Kubernetes pod of one pipeline stage (`DISTSERVE_STAGE`, `MASTER_ADDR`,
+  `MASTER_PORT`): this process is rank stage * tp and starts the stage's other tp
+  ranks; stage 0 serves the instance.
 - One process per rank (`WORLD_SIZE`, `RANK`, `MASTER_ADDR`, `MASTER_PORT`, as torchrun
   sets them): this process is only its own rank.
 """
@@ -60,24 +62,29 @@ class RankLayout:
         return [cores[i * size:(i + 1) * size] for i in range(self.num_local)]
 
 
-def role_parallel(config_path: str | Path, role: str) -> tuple[int, int]:
-    """(tp, pp) of `role` in the settings file's `parallel` section (1, 1 when absent)."""
-    parallel = ServeSettings.load(config_path).parallel_of(role)
-    return parallel.tp, parallel.pp
-
-
-def layout_for(config_path: str | Path, role: str, env: Mapping[str, str] | None = None) -> RankLayout:
-    """This process's ranks, from the environment first, then the settings' `parallel`."""
+def layout_for(config_path: str | Path, role: str, instance: str,
+               env: Mapping[str, str] | None = None) -> RankLayout:
+    """This process's ranks: tp and pp from the settings' `parallel` entry of `instance`,
+    its place among them from the environment."""
     env = os.environ if env is None else env
-    tp, pp = role_parallel(config_path, role) if role in ("prefill", "decode", "colocated") else (1, 1)
+    settings = ServeSettings.load(config_path)
+    tp, pp = 1, 1
+    if role in ("prefill", "decode", "colocated"):
+        parallel = settings.parallel_of(role, instance)
+        tp, pp = parallel.tp, parallel.pp
     master = f"tcp://{env.get('MASTER_ADDR', '127.0.0.1')}:{env.get('MASTER_PORT', DEFAULT_MASTER_PORT)}"
     if "DISTSERVE_STAGE" in env:  # one pod per pipeline stage, tp ranks in it
-        tp = int(env.get("DISTSERVE_TENSOR_PARALLEL", tp))
-        pp = int(env.get("DISTSERVE_PIPELINE_STAGES", pp))
-        return RankLayout(tp, pp, int(env["DISTSERVE_STAGE"]) * tp, tp, master)
+        stage = int(env["DISTSERVE_STAGE"])
+        if instance not in settings.parallel:
+            raise ValueError(f"serve settings: parallel has no entry for instance {instance!r} "
+                             f"(a pod of stage {stage} needs its instance's tp and pp)")
+        if stage >= pp:
+            raise ValueError(f"DISTSERVE_STAGE {stage}: parallel.{instance}.pp is {pp}")
+        return RankLayout(tp, pp, stage * tp, tp, master)
     if "WORLD_SIZE" in env and int(env["WORLD_SIZE"]) > 1:  # one process per rank
         if int(env["WORLD_SIZE"]) != tp * pp:
-            raise ValueError(f"WORLD_SIZE {env['WORLD_SIZE']} != tp * pp = {tp * pp} of role {role}")
+            raise ValueError(f"WORLD_SIZE {env['WORLD_SIZE']} != tp * pp = {tp * pp} of "
+                             f"parallel.{instance}")
         return RankLayout(tp, pp, int(env.get("RANK", 0)), 1, master)
     if tp * pp == 1:
         return RankLayout()

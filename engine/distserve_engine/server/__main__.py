@@ -32,11 +32,14 @@ Arguments:
 
 Instances on several ranks (tp * pp > 1; see `instance/ranks.py` and `instance/workers.py`):
   Rank 0 runs the instance and its HTTP API; the other ranks replay its engine calls.
-  - Local (`distserve up`): the settings' `parallel` gives the role's tp and pp; this
-    process is rank 0 and spawns the other ranks on this host, splitting --cpu-cores
-    into one equal slice per rank; the rendezvous is a free port on 127.0.0.1.
-  - Kubernetes, one pod per pipeline stage: DISTSERVE_STAGE, DISTSERVE_PIPELINE_STAGES,
-    DISTSERVE_TENSOR_PARALLEL, MASTER_ADDR (stage 0's pod), MASTER_PORT. The process is
+  The settings' `parallel` entry of the --instance name gives its tp and pp, however
+  it is started.
+  - Local (`distserve up`): this process is rank 0 and spawns the other ranks on this
+    host, splitting --cpu-cores into one equal slice per rank; on CUDA rank r takes the
+    r-th GPU this process sees (`distserve up` sets CUDA_VISIBLE_DEVICES to the plan's
+    GPUs of the instance, in stage order); the rendezvous is a free port on 127.0.0.1.
+  - Kubernetes, one pod per pipeline stage: DISTSERVE_STAGE, MASTER_ADDR (stage 0's
+    pod), MASTER_PORT. The process is
     rank stage * tp and spawns the stage's other tp ranks (GPU i of the pod each). Stage
     0 serves the instance; a later stage serves only `GET /health` and `GET /livez` and
     exits when rank 0 stops or its connection fails.
@@ -100,7 +103,8 @@ def pin_process(cores: list[int] | None) -> None:
 def build_app(args: argparse.Namespace):
     """The FastAPI app this process serves."""
     all_cores = [int(c) for c in args.cpu_cores.split(",")] if args.cpu_cores else None
-    layout = ranks.layout_for(args.config, args.role)
+    name = args.instance or f"{args.role}-0"
+    layout = ranks.layout_for(args.config, args.role, name)
     cores = layout.split_cores(all_cores)[0]  # rank 0's share; other ranks get the rest
     pin_process(cores)
     from distserve_engine.instance import workers
@@ -110,7 +114,6 @@ def build_app(args: argparse.Namespace):
 
     settings = ServeSettings.load(args.config)
     assembly.pin_cpu(cores)
-    name = args.instance or f"{args.role}-0"
     if args.role in assembly.ROLES:
         host = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
         url = args.advertise_url or f"http://{host}:{args.port}"

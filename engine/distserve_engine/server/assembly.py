@@ -85,14 +85,12 @@ def http_clients(peers: dict[str, list[Peer]]) -> dict[str, list[HttpInstanceCli
 
 def build_in_process(settings: ServeSettings) -> tuple[Router, list[Any], Any]:
     """Router and all instances in this process (`--role all`, tests); returns the runner used for the tokenizer."""
-    multi_rank = {r: p for r, p in settings.parallel.items() if p.num_ranks > 1}
+    names = [(role, f"{role}-{i}") for role in ROLES for i in range(settings.instances.get(role, 0))]
+    multi_rank = [name for role, name in names if settings.parallel_of(role, name).num_ranks > 1]
     if multi_rank:
-        raise ValueError(f"parallel: {multi_rank} needs one process per rank; one process "
-                         "serving every instance runs them at tp = pp = 1")
-    instances = []
-    for role in ROLES:
-        for i in range(settings.instances.get(role, 0)):
-            instances.append(build_instance(role, f"{role}-{i}", settings))
+        raise ValueError(f"parallel.{multi_rank[0]}: several ranks need one process per rank; "
+                         "one process serving every instance runs them at tp = pp = 1")
+    instances = [build_instance(role, name, settings) for role, name in names]
     clients: dict[str, list[Any]] = {}
     for instance in instances:
         clients.setdefault(instance.role, []).append(LocalInstanceClient(instance))

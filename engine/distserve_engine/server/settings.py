@@ -8,10 +8,16 @@
      "default_max_tokens": 256, "slo": {"ttft_s": 2.0, "tpot_s": 0.1},
      "instances": {"prefill": 1, "decode": 1, "colocated": 0},   # for --role all
      "peers": {"prefill": ["http://p0:8001"], "decode": [...]},  # for --role router
-     "parallel": {"prefill": {"tp": 2, "pp": 1}},  # ranks per instance (default 1 x 1)
+     "parallel": {"prefill-0": {"tp": 2, "pp": 1}},  # ranks of each instance, by name
      "plan": {"id": "3f2a9c0d1e", "predicted_attainment": 0.93,   # optional: the plan
               "predicted_goodput_rps": 4.2,                         # served, for metrics
               "prefill": "tp2pp1x1", "decode": "tp1pp1x2"}}
+
+`parallel` gives each instance its tp x pp, keyed by the name the process is started
+with (`--instance`): the launcher and the operator write one entry per instance, so the
+instances of one role may differ (a mixed plan). A role's name as a key is the default
+of that role's instances not named (hand-written documents); an instance named nowhere
+runs on one rank.
 
 A peer is `URL`, `NAME=URL` or `{"name", "url", "node", "draining"}`. A router reading
 its peers from this file re-reads it while it runs (`server/peers.py`).
@@ -116,8 +122,14 @@ class Parallelism:
         return self.tp * self.pp
 
     @classmethod
-    def from_dict(cls, doc: Any) -> Parallelism:
-        return cls(**_check_keys(cls, doc, "parallel.<role>"))
+    def from_dict(cls, doc: Any, where: str = "parallel.<instance>") -> Parallelism:
+        doc = _check_keys(cls, doc, where)
+        for name in ("tp", "pp"):
+            value = doc.get(name, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"serve settings: {where}.{name} must be an integer >= 1, "
+                                 f"got {value!r}")
+        return cls(**doc)
 
 
 @dataclass(frozen=True)
@@ -145,6 +157,20 @@ class Peer:
         return cls(**doc)
 
 
+def _read_parallel(doc: Any) -> dict[str, Parallelism]:
+    """`parallel`: instance name (or role) -> Parallelism; errors name the entry."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"serve settings: parallel must be an object keyed by instance name, "
+                         f"got {doc!r}")
+    out = {}
+    for name, entry in doc.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"serve settings: parallel has a key {name!r}; expected instance names")
+        out[name] = entry if isinstance(entry, Parallelism) else Parallelism.from_dict(
+            entry, f"parallel.{name}")
+    return out
+
+
 @dataclass
 class ServeSettings:
     """How one deployment serves: the engine, batching bounds, SLOs, peers."""
@@ -165,7 +191,8 @@ class ServeSettings:
     slo: Slo = field(default_factory=Slo)
     instances: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
     peers: dict[str, list[Peer]] = field(default_factory=dict)  # role -> instances to route to
-    parallel: dict[str, Parallelism] = field(default_factory=dict)  # role -> ranks per instance
+    # instance name (or role, the default of its instances) -> ranks of that instance
+    parallel: dict[str, Parallelism] = field(default_factory=dict)
     plan: PlanInfo | None = None  # the plan served under (metrics only); None without a plan
 
     def __post_init__(self) -> None:
@@ -186,8 +213,7 @@ class ServeSettings:
                                  f"got {count!r}")
         self.peers = {role: [Peer.parse(entry, role, i) for i, entry in enumerate(entries)]
                       for role, entries in _check_roles(self.peers, "peers").items()}
-        self.parallel = {role: p if isinstance(p, Parallelism) else Parallelism.from_dict(p)
-                         for role, p in _check_roles(self.parallel, "parallel").items()}
+        self.parallel = _read_parallel(self.parallel)
         if not isinstance(self.max_request_body_bytes, int) or self.max_request_body_bytes < 1:
             raise ValueError(f"serve settings: max_request_body_bytes must be an integer >= 1, "
                              f"got {self.max_request_body_bytes!r}")
@@ -197,9 +223,9 @@ class ServeSettings:
         if self.admit_by_ttft and self.ttft_slo_s is None:
             raise ValueError("serve settings: admit_by_ttft needs slo.ttft_s")
 
-    def parallel_of(self, role: str) -> Parallelism:
-        """tp x pp of each instance of `role` (1 x 1 when the settings name none)."""
-        return self.parallel.get(role, Parallelism())
+    def parallel_of(self, role: str, instance: str) -> Parallelism:
+        """tp x pp of the instance named `instance`: its entry, else its role's, else 1 x 1."""
+        return self.parallel.get(instance) or self.parallel.get(role) or Parallelism()
 
     @property
     def ttft_slo_s(self) -> float | None:

@@ -29,7 +29,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from distserve.spec import load_manifest
+from distserve.spec import SpecError, load_manifest
 
 if TYPE_CHECKING:
     from distserve_engine.server.settings import ServeSettings
@@ -76,6 +76,7 @@ def run(args) -> int:
     from distserve.local.settings import (
         find_model_path,
         instance_counts,
+        instance_gpu_ids,
         instance_parallel,
         serve_settings,
     )
@@ -104,7 +105,7 @@ def run(args) -> int:
     try:
         _log("planning ...")
         plan = plan_deployment(spec)
-        _log(f"plan: {plan.prefill.instances} prefill + {plan.decode.instances} decode instance(s), "
+        _log(f"plan: {_shape(plan, 'prefill')} prefill + {_shape(plan, 'decode')} decode, "
              f"predicted goodput {plan.goodput_rps:.2f} req/s at {plan.attainment:.0%} attainment "
              f"(latency: {plan.latency_source})")
     except NoFeasiblePlan as err:
@@ -125,7 +126,16 @@ def run(args) -> int:
     settings = serve_settings(spec, instances, manifest.metadata.name, model_path, parallel,
                               plan if not args.colocated else None)
     backend = "ray" if args.ray_address else args.backend
-    launcher = LocalLauncher(settings, args.host, args.port, backend, args.ray_address)
+    # NOTE: Ray gives each actor its GPUs itself; child processes get the plan's.
+    is_pinned_gpus = (plan is not None and not args.colocated and backend == "process"
+                      and settings.engine.device_type == "cuda")
+    try:
+        name_to_gpu_ids = instance_gpu_ids(plan) if is_pinned_gpus else None
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE_ERROR
+    launcher = LocalLauncher(settings, args.host, args.port, backend, args.ray_address,
+                             name_to_gpu_ids=name_to_gpu_ids)
     _log(f"work folder {launcher.workdir} (settings and logs; removed on stop)")
     stack = contextlib.ExitStack()
     try:
@@ -148,6 +158,14 @@ def run(args) -> int:
     finally:
         stack.close()
         launcher.stop()
+
+
+def _shape(plan, role: str) -> str:
+    """A phase's instances, with their shapes when it has several: `3` or `1 tp2 + 2 tp1`."""
+    groups = plan.groups(role)
+    if len(groups) == 1:
+        return str(groups[0].instances)
+    return " + ".join(f"{g.instances} tp{g.tp}pp{g.pp}" for g in groups)
 
 
 def _start_prometheus(stack: contextlib.ExitStack, launcher) -> None:

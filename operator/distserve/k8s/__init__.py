@@ -47,13 +47,15 @@ status says), `client` (the API), `planning`, `applying`, `reconciling`, `reshuf
   starts; `status.reshuffle.drainingSince` and `drainDeadline` keep it over a restart).
   Objects of a revision no live instance comes from are removed at once.
 - Pipeline stages: the pods of one instance share the headless Service
-  `<name>-<revision>-{p,d}{i}`; stage S is `sS.<service>.<ns>.svc`. Each pod gets
-  `DISTSERVE_STAGE`, `DISTSERVE_PIPELINE_STAGES`, `DISTSERVE_TENSOR_PARALLEL`,
-  `MASTER_ADDR` (stage 0) and `MASTER_PORT` (29500) for a torch.distributed
-  rendezvous, plus `DISTSERVE_DEPLOYMENT`, `DISTSERVE_REVISION`, `DISTSERVE_DEVICE`,
+  `<name>-<revision>-{p,d}{i}`; stage S is `sS.<service>.<ns>.svc`. Each pod reads its
+  instance's tp and pp from the revision's `serve.json` (`parallel`, under the engine
+  instance name of its `--instance`), and gets `DISTSERVE_STAGE`, `MASTER_ADDR`
+  (stage 0) and `MASTER_PORT` (29500) for a torch.distributed rendezvous, plus `DISTSERVE_DEPLOYMENT`, `DISTSERVE_REVISION`, `DISTSERVE_DEVICE`,
   `POD_NAME`, `POD_NAMESPACE`, `NODE_NAME`, HOME and cache folders on scratch
   volumes, and the role's `env`.
-- GPUs: `nvidia.com/gpu: tp` per worker pod (none when the accelerator is the CPU);
+- GPUs: `nvidia.com/gpu: tp` per worker pod (none when the accelerator is the CPU); the
+  device plugin picks which of the node's GPUs, so the plan's GPU ids are only shown
+  (annotation `distserve.io/gpu-ids`);
   CPU and memory requests by default; `/dev/shm` a memory-backed emptyDir sized for the
   KV arena plus 1 GiB per GPU (`spec.engine.shmSize`).
 - Security: Pod Security "restricted" (user 10001, read-only root filesystem with

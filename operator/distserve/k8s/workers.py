@@ -21,7 +21,7 @@ from typing import Any
 
 from distserve.k8s import gang, naming, pods, scraping, weights
 from distserve.k8s.nodes import GPU_RESOURCE, is_cpu_spec
-from distserve.local.settings import serve_settings
+from distserve.local.settings import instance_counts, instance_parallel, serve_settings
 from distserve.plan import SegmentPlacement, is_low_affinity
 from distserve_engine.server.settings import ServeSettings
 
@@ -77,10 +77,14 @@ def engine_instance_name(revision: naming.Revision, role: str, instance: int) ->
 
 
 def build_serve_settings(revision: naming.Revision) -> ServeSettings:
-    """The engine's settings document (the local launcher's, with in-pod paths)."""
-    plan = revision.plan
-    counts = {"prefill": plan.num_instances("prefill"), "decode": plan.num_instances("decode")}
-    return serve_settings(revision.spec, counts, revision.owner.name, weights.model_path(revision.spec),
+    """The engine's settings document (the local launcher's, with in-pod paths): every
+    instance's tp and pp under its engine name, which its pods read (`instance/ranks.py`)."""
+    plan, spec = revision.plan, revision.spec
+    def name(role: str, index: int) -> str:
+        return engine_instance_name(revision, role, index)
+
+    return serve_settings(spec, instance_counts(spec, plan), revision.owner.name,
+                          weights.model_path(spec), instance_parallel(spec, plan, name=name),
                           plan=plan)
 
 
@@ -205,14 +209,12 @@ def build_env(deployment: str, device: str, revision_id: str | None = None) -> l
 
 
 def build_stage_env(revision: naming.Revision, segment: SegmentPlacement) -> list[dict[str, Any]]:
-    """Which pipeline stage this pod is and where its instance's stage 0 listens."""
-    phase = revision.plan.phase_of(segment.role, segment.instance)
+    """Which pipeline stage this pod is and where its instance's stage 0 listens (its tp
+    and pp are in `serve.json`, under the instance's name)."""
     service = naming.instance_name(revision, segment.role, segment.instance)
     master = f"{naming.stage_hostname(0)}.{service}.{revision.owner.namespace}.svc"
     return [
         {"name": "DISTSERVE_STAGE", "value": str(segment.stage)},
-        {"name": "DISTSERVE_PIPELINE_STAGES", "value": str(phase.pp)},
-        {"name": "DISTSERVE_TENSOR_PARALLEL", "value": str(phase.tp)},
         {"name": "MASTER_ADDR", "value": master},
         {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
     ]
@@ -225,6 +227,9 @@ def build_worker_pod_spec(revision: naming.Revision, segment: SegmentPlacement, 
     group_labels, group_fields = gang.pod_fields(revision, role, instance)
     labels = {**naming.worker_labels(revision, role, instance, stage),
               PLANNED_NODE_LABEL: segment.node, **group_labels}
+    # NOTE: the GPU ids are the plan's, for people reading the pod: the device plugin
+    # chooses which of the node's GPUs the pod gets (it asks for `tp` of them); only
+    # `distserve up` pins processes to these ids (CUDA_VISIBLE_DEVICES).
     annotations = {
         naming.PLANNED_NODE_ANNOTATION: segment.node,
         naming.GPU_IDS_ANNOTATION: ",".join(str(g) for g in segment.gpu_ids),

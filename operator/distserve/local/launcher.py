@@ -2,8 +2,11 @@
 
 Each instance is one `python -m distserve_engine.server --role ROLE` process, pinned to
 its own CPU cores (or given its GPUs), and the router is one more in front of them,
-serving the OpenAI API. An instance of tp x pp ranks (the settings' `parallel`) gets one
-core per rank, and its process starts its other ranks itself (`instance/workers.py`).
+serving the OpenAI API. An instance of tp x pp ranks (its entry in the settings'
+`parallel`; the instances of a role may differ) gets one core per rank, and its process
+starts its other ranks itself (`instance/workers.py`). On CUDA each instance process sees
+only the GPUs its plan gives it (CUDA_VISIBLE_DEVICES, `process_env`), in stage order,
+and rank r takes the r-th of them.
 Two ways to run those processes: plain child processes
 (`backend="process"`), or Ray actors (`backend="ray"`, also `--ray-address` to join a
 cluster), each actor running the same server. Everything started is stopped by
@@ -39,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from distserve_engine.server.settings import Peer, ServeSettings
+from distserve_engine.server.settings import Parallelism, Peer, ServeSettings
 
 READY_TIMEOUT_S = 300.0  # loading a model on two shared cores can take a while
 STOP_TIMEOUT_S = 10.0
@@ -61,6 +64,8 @@ class ServerProcess:
     port: int
     cores: list[int] | None
     argv: list[str] = field(default_factory=list)
+    gpu_ids: tuple[int, ...] | None = None  # the GPUs it may see; None: every GPU
+    parallel: Parallelism = field(default_factory=Parallelism)  # its ranks, as its file says
     log_path: Path | None = None
     handle: Any = None  # subprocess.Popen, or a Ray actor
 
@@ -69,9 +74,12 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
 
-def num_ranks(settings: ServeSettings, role: str) -> int:
-    """tp x pp of one instance of `role` (one core per rank)."""
-    return settings.parallel_of(role).num_ranks
+def process_env(proc: ServerProcess, base: dict[str, str]) -> dict[str, str]:
+    """The environment of `proc`: `base`, unbuffered output, and its GPUs when it has some."""
+    env = {**base, "PYTHONUNBUFFERED": "1"}
+    if proc.gpu_ids is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, proc.gpu_ids))
+    return env
 
 
 def cores_from(first_core: int, count: int, num_cores: int) -> list[int] | None:
@@ -100,17 +108,23 @@ def peers_of(procs: list[ServerProcess],
 
 
 def plan_processes(settings: ServeSettings, config_path: Path, host: str, port: int,
-                   num_cores: int, instance_config_path: Path | None = None) -> list[ServerProcess]:
+                   num_cores: int, instance_config_path: Path | None = None,
+                   name_to_gpu_ids: dict[str, tuple[int, ...]] | None = None
+                   ) -> list[ServerProcess]:
     """The instance processes (ports port+1, ...) then the router on `port`; the router
-    reads `config_path`, the instances `instance_config_path` (default the same file)."""
+    reads `config_path`, the instances `instance_config_path` (default the same file).
+    `name_to_gpu_ids`: the GPUs of each instance (`local.settings.instance_gpu_ids`)."""
     procs: list[ServerProcess] = []
     next_core = 0
     for role in ("prefill", "decode", "colocated"):
-        ranks = num_ranks(settings, role)
         for i in range(settings.instances.get(role, 0)):
-            cores = cores_from(next_core, ranks, num_cores)
-            next_core += ranks if num_cores else 0
-            procs.append(ServerProcess(role, f"{role}-{i}", port + 1 + len(procs), cores))
+            name = f"{role}-{i}"
+            parallel = settings.parallel_of(role, name)
+            cores = cores_from(next_core, parallel.num_ranks, num_cores)
+            next_core += parallel.num_ranks if num_cores else 0
+            procs.append(ServerProcess(role, name, port + 1 + len(procs), cores,
+                                       gpu_ids=(name_to_gpu_ids or {}).get(name),
+                                       parallel=parallel))
     for proc in procs:
         proc.argv = instance_argv(proc, instance_config_path or config_path)
     router = ServerProcess("router", "router-0", port, None)
@@ -124,7 +138,8 @@ class LocalLauncher:
 
     def __init__(self, settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000,
                  backend: str = "process", ray_address: str | None = None,
-                 pin_cores: bool = True) -> None:
+                 pin_cores: bool = True,
+                 name_to_gpu_ids: dict[str, tuple[int, ...]] | None = None) -> None:
         self.settings = settings
         self.host, self.port = host, port
         self.backend = backend
@@ -133,7 +148,7 @@ class LocalLauncher:
         self.config_path = self.workdir / "serve.json"  # the router's (with its peers)
         self.num_cores = len(os.sched_getaffinity(0)) if pin_cores else 0
         self.procs = plan_processes(settings, self.config_path, host, port, self.num_cores,
-                                    self.workdir / "serve-r0.json")
+                                    self.workdir / "serve-r0.json", name_to_gpu_ids)
         self.next_core = sum(len(p.cores or ()) for p in self.procs)
         self._ray = None
         self.restarts: dict[str, int] = {}  # process name -> times the supervisor restarted it
@@ -209,18 +224,25 @@ class LocalLauncher:
         doc.write(partial)
         os.replace(partial, self.config_path)
 
-    def add_instance(self, role: str, config_path: Path) -> ServerProcess:
-        """Start one more instance of `role` reading `config_path`, on a free port and
-        the next cores; it is in `procs` (before the router) once this returns."""
-        ranks = num_ranks(ServeSettings.load(config_path), role)
-        index = 1 + max((int(p.name.rpartition("-")[2]) for p in self.procs if p.role == role),
+    def next_instance_names(self, role: str, count: int) -> list[str]:
+        """Names for `count` more instances of `role`, after every name in use."""
+        first = 1 + max((int(p.name.rpartition("-")[2]) for p in self.procs if p.role == role),
                         default=-1)
+        return [f"{role}-{first + i}" for i in range(count)]
+
+    def add_instance(self, role: str, config_path: Path, name: str | None = None) -> ServerProcess:
+        """Start one more instance of `role` reading `config_path` (its tp and pp under
+        `name`; default the next free name), on a free port and the next cores; it is in
+        `procs` (before the router) once this returns."""
+        name = name or self.next_instance_names(role, 1)[0]
+        parallel = ServeSettings.load(config_path).parallel_of(role, name)
         port = max(p.port for p in self.procs) + 1
         while not _is_port_free(port):
             port += 1
-        proc = ServerProcess(role, f"{role}-{index}", port,
-                             cores_from(self.next_core, ranks, self.num_cores))
-        self.next_core += ranks if self.num_cores else 0
+        proc = ServerProcess(role, name, port,
+                             cores_from(self.next_core, parallel.num_ranks, self.num_cores),
+                             parallel=parallel)
+        self.next_core += parallel.num_ranks if self.num_cores else 0
         proc.argv = instance_argv(proc, config_path)
         with self._lock:
             self._spawn(proc)
@@ -252,7 +274,7 @@ class LocalLauncher:
         if self._ray is not None:
             proc.handle = self._ray.spawn(proc)
             return
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = process_env(proc, dict(os.environ))
         with open(proc.log_path, "ab" if is_restart else "wb") as log:
             proc.handle = subprocess.Popen(
                 [sys.executable, "-m", "distserve_engine.server", *proc.argv],

@@ -47,8 +47,17 @@ class LocalShape:
 
     @classmethod
     def from_settings(cls, settings: ServeSettings) -> LocalShape:
-        """The shape of a deployment's serving settings (`distserve.local.settings`)."""
-        return cls(dict(settings.instances), dict(settings.parallel))
+        """The shape of a deployment's serving settings (`distserve.local.settings`); a
+        ValueError when a role's instances differ in tp or pp (a mixed plan), which the
+        local prediction does not simulate."""
+        role_to_parallel = {}
+        for role, count in settings.instances.items():
+            shapes = {settings.parallel_of(role, f"{role}-{i}") for i in range(count)}
+            if len(shapes) > 1:
+                raise ValueError(f"the {role} instances differ in tp or pp (a mixed plan); the "
+                                 "local prediction simulates one shape per role")
+            role_to_parallel[role] = shapes.pop() if shapes else Parallelism()
+        return cls(dict(settings.instances), role_to_parallel)
 
 
 def engine_context(ctx: SearchContext, settings: ServeSettings) -> SearchContext:

@@ -1,8 +1,8 @@
 """Serving processes as Ray actors: each actor runs one `distserve_engine.server`.
 
-An instance actor asks Ray for its role's `tp * pp` GPUs on a GPU deployment, or that
-many CPUs (and pins its ranks to their cores with `--cpu-cores`) on the CPU; the router
-actor asks for none. Ray
+An instance actor asks Ray for its own `tp * pp` GPUs on a GPU deployment (Ray chooses
+which, and sets the actor's CUDA_VISIBLE_DEVICES), or that many CPUs (and pins its ranks
+to their cores with `--cpu-cores`) on the CPU; the router actor asks for none. Ray
 is imported only here, when `distserve up --backend ray` or `--ray-address` is used.
 """
 
@@ -46,7 +46,6 @@ class RayServers:
                          log_to_driver=False)
         self.actor_class = _server_actor_class(ray)
         self.is_gpu = settings.engine.device_type == "cuda"
-        self.role_to_num_ranks = {role: p.num_ranks for role, p in settings.parallel.items()}
         self._proc_to_ref: dict[str, Any] = {}
 
     def spawn(self, proc: Any) -> Any:
@@ -54,9 +53,9 @@ class RayServers:
         if proc.role == "router":
             options = {"num_cpus": 0}
         elif self.is_gpu:
-            options = {"num_cpus": 0, "num_gpus": self.role_to_num_ranks.get(proc.role, 1)}
+            options = {"num_cpus": 0, "num_gpus": proc.parallel.num_ranks}
         else:
-            options = {"num_cpus": self.role_to_num_ranks.get(proc.role, 1)}
+            options = {"num_cpus": proc.parallel.num_ranks}
         actor = self.actor_class.options(name=f"distserve-{proc.name}", **options).remote()
         self._proc_to_ref[proc.name] = actor.run.remote(proc.argv)
         return actor

@@ -1,11 +1,12 @@
 """A local reshuffle: from the running instances to a new plan's, losing no request.
 
 Decides which processes stay, which start and which stop. Per role, a running instance
-stays when the new plan keeps its role's tp and pp (as many as the new plan has of that
-role); the rest of the new plan's instances are started, the rest of the old stopped.
-In order:
+stays when the new plan has an instance of its tp and pp not yet matched (a mixed plan
+has two shapes in a role); the rest of the new plan's instances are started, under new
+names, the rest of the old stopped. In order:
 1. the new instances start, reading their own settings file (`serve-rN.json`, the new
-   plan's parallelism), and are waited for until they serve;
+   plan with its `parallel` keyed by the names of the processes that serve it), and are
+   waited for until they serve;
 2. the router's file is rewritten: the new peers, the leaving ones marked draining (no
    new request; in-flight ones finish), the new plan and limits; the router re-reads it
    (`server/peers.py`) and is waited for until it sees the new instances healthy;
@@ -19,6 +20,7 @@ In order:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 import httpx
 
 from distserve.local.launcher import LocalLauncher, ServerProcess
-from distserve_engine.server.settings import ServeSettings
+from distserve.local.settings import local_instance_name
+from distserve_engine.server.settings import Parallelism, ServeSettings
 
 ROLES = ("prefill", "decode", "colocated")
 ADOPT_TIMEOUT_S = 60.0  # the router re-reads its file every 2 s and polls health every second
@@ -49,19 +52,21 @@ class ReshuffleReport:
                 f"stopped {', '.join(self.stopped) or 'none'} (drained in {self.drain_s:.1f} s)")
 
 
-def split_instances(procs: list[ServerProcess], old: ServeSettings, new: ServeSettings
-                    ) -> tuple[list[ServerProcess], list[ServerProcess], dict[str, int]]:
-    """(kept, leaving, role -> instances to start) from the old and new settings."""
-    kept, leaving, to_start = [], [], {}
+def split_instances(procs: list[ServerProcess], new: ServeSettings
+                    ) -> tuple[list[ServerProcess], list[ServerProcess], list[tuple[str, Parallelism]]]:
+    """(kept, leaving, (role, tp x pp) of each instance to start) from the running
+    processes and the new settings, which name instances as `distserve up` does."""
+    kept, leaving, to_start = [], [], []
     for role in ROLES:
-        running = [p for p in procs if p.role == role]
-        count = new.instances.get(role, 0)
-        is_same_shape = old.parallel_of(role) == new.parallel_of(role)
-        stay = running[:count] if is_same_shape else []
-        kept += stay
-        leaving += [p for p in running if p not in stay]
-        if count > len(stay):
-            to_start[role] = count - len(stay)
+        wanted = [new.parallel_of(role, local_instance_name(role, i))
+                  for i in range(new.instances.get(role, 0))]
+        for proc in (p for p in procs if p.role == role):
+            if proc.parallel in wanted:
+                wanted.remove(proc.parallel)
+                kept.append(proc)
+            else:
+                leaving.append(proc)
+        to_start += [(role, shape) for shape in wanted]
     return kept, leaving, to_start
 
 
@@ -70,12 +75,18 @@ def reshuffle(launcher: LocalLauncher, settings: ServeSettings,
               drain_timeout_s: float = DRAIN_TIMEOUT_S) -> ReshuffleReport:
     """Move the launcher's deployment to `settings` (a whole serve settings document:
     instances, parallel, plan); see the module docstring for the order."""
-    kept, leaving, to_start = split_instances(launcher.procs[:-1], launcher.settings, settings)
+    kept, leaving, to_start = split_instances(launcher.procs[:-1], settings)
+    names = {role: iter(launcher.next_instance_names(role, sum(r == role for r, _ in to_start)))
+             for role in ROLES}
+    name_to_role = {next(names[role]): (role, shape) for role, shape in to_start}
+    # The new processes' file names each by the name it runs under.
+    started_settings = dataclasses.replace(
+        settings, parallel={name: shape for name, (_, shape) in name_to_role.items()})
     revision = len(list(launcher.workdir.glob("serve-r*.json")))
     config_path = launcher.workdir / f"serve-r{revision}.json"
-    settings.write(config_path)
-    started = [launcher.add_instance(role, config_path)
-               for role, count in to_start.items() for _ in range(count)]
+    started_settings.write(config_path)
+    started = [launcher.add_instance(role, config_path, name)
+               for name, (role, _) in name_to_role.items()]
     for proc in started:
         launcher.wait_ready(proc)
         progress(f"reshuffle: {proc.name} ready at {proc.url} (cores {proc.cores or 'any'})")

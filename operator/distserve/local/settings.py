@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from collections.abc import Callable
 
-from distserve.plan import Plan
+from distserve.plan import ROLES, Plan
 from distserve.spec import DistServeDeploymentSpec, SpecError
 from distserve_engine.config import EngineConfig
 from distserve_engine.server.settings import Parallelism, PlanInfo, ServeSettings, Slo
@@ -45,45 +46,64 @@ def engine_device(spec: DistServeDeploymentSpec) -> str:
     return "cpu" if spec.cluster.accelerator.upper() == "CPU" else "cuda"
 
 
+def local_instance_name(role: str, index: int) -> str:
+    """The name of a role's `index`-th instance under `distserve up` (`prefill-0`)."""
+    return f"{role}-{index}"
+
+
 def instance_counts(spec: DistServeDeploymentSpec, plan: Plan | None,
                     num_colocated: int = 0) -> dict[str, int]:
     """Instances per role: colocated ones (baseline), else the plan's, else the spec's placement."""
     if num_colocated:
         return {"colocated": num_colocated}
     if plan is not None:
-        if plan.is_mixed:
-            shapes = "; ".join(
-                f"{role} " + " + ".join(f"tp{g.tp}pp{g.pp} x{g.instances}" for g in plan.groups(role))
-                for role in ("prefill", "decode"))
-            raise SpecError(
-                f"the plan mixes instance shapes ({shapes}), and `distserve up` runs one tp and "
-                "pp per role: serve it on a cluster with the operator, or set spec.placement"
-            )
-        return {"prefill": plan.prefill.instances, "decode": plan.decode.instances}
+        return {role: plan.num_instances(role) for role in ROLES}
     if spec.placement is not None:
         return {"prefill": spec.placement.prefill.instances, "decode": spec.placement.decode.instances}
     raise SpecError("spec.placement: needed when the planner gives no plan")
 
 
-def instance_parallel(spec: DistServeDeploymentSpec, plan: Plan | None,
-                      num_colocated: int = 0) -> dict[str, Parallelism]:
-    """tp and pp per role, from the plan, else the spec's placement (colocated: 1 x 1)."""
+def instance_parallel(spec: DistServeDeploymentSpec, plan: Plan | None, num_colocated: int = 0,
+                      *, name: Callable[[str, int], str] = local_instance_name,
+                      ) -> dict[str, Parallelism]:
+    """tp and pp of every instance, keyed by its name (`name(role, index)`): the plan's
+    group of each instance (a mixed plan has two shapes in a role), else the spec's
+    placement; colocated instances run on one rank."""
     if num_colocated:
-        return {"colocated": Parallelism()}
-    source = plan if plan is not None else spec.placement
-    if source is None:
+        return {name("colocated", i): Parallelism() for i in range(num_colocated)}
+    if plan is not None:
+        return {name(role, i): Parallelism(plan.phase_of(role, i).tp, plan.phase_of(role, i).pp)
+                for role in ROLES for i in range(plan.num_instances(role))}
+    if spec.placement is None:
         return {}
-    return {role: Parallelism(getattr(source, role).tp, getattr(source, role).pp)
-            for role in ("prefill", "decode")}
+    return {name(role, i): Parallelism(phase.tp, phase.pp)
+            for role in ROLES for phase in [getattr(spec.placement, role)]
+            for i in range(phase.instances)}
+
+
+def instance_gpu_ids(plan: Plan) -> dict[str, tuple[int, ...]]:
+    """The GPUs of each local instance (`prefill-0`): its segments' `gpu_ids`, in stage
+    order; `distserve up` shows each instance process only these (CUDA_VISIBLE_DEVICES).
+    A plan over several nodes is an error: their GPU ids would name one machine's twice."""
+    nodes = sorted({s.node for s in plan.segments})
+    if len(nodes) > 1:
+        raise SpecError(f"spec.cluster.nodes: the plan places instances on {len(nodes)} nodes "
+                        f"({', '.join(nodes)}), and `distserve up` runs on one machine; set "
+                        "cluster.nodes: 1")
+    name_to_gpu_ids: dict[str, tuple[int, ...]] = {}
+    for segment in sorted(plan.segments, key=lambda s: (s.role, s.instance, s.stage)):
+        name = local_instance_name(segment.role, segment.instance)
+        name_to_gpu_ids[name] = name_to_gpu_ids.get(name, ()) + tuple(segment.gpu_ids)
+    return name_to_gpu_ids
 
 
 def plan_settings(plan: Plan) -> PlanInfo:
     """The settings' `plan`: its id and predictions, which the engine exports as metrics."""
-    def shape(phase) -> str:
-        return f"tp{phase.tp}pp{phase.pp}x{phase.instances}"
+    def shape(role) -> str:  # a mixed plan's groups joined: tp2pp1x3+tp1pp1x1
+        return "+".join(f"tp{g.tp}pp{g.pp}x{g.instances}" for g in plan.groups(role))
 
     return PlanInfo(plan.plan_id, plan.attainment, plan.goodput_rps,
-                    shape(plan.prefill), shape(plan.decode))
+                    shape("prefill"), shape("decode"))
 
 
 def engine_config(spec: DistServeDeploymentSpec, model_path: str) -> EngineConfig:
@@ -98,8 +118,8 @@ def engine_config(spec: DistServeDeploymentSpec, model_path: str) -> EngineConfi
 def serve_settings(spec: DistServeDeploymentSpec, instances: dict[str, int], deployment: str,
                    model_path: str, parallel: dict[str, Parallelism] | None = None,
                    plan: Plan | None = None) -> ServeSettings:
-    """The settings of every process of this deployment (`parallel`: role -> tp, pp;
-    `plan`: the plan served, named in the metrics)."""
+    """The settings of every process of this deployment (`parallel`: instance name -> tp,
+    pp, from `instance_parallel`; `plan`: the plan served, named in the metrics)."""
     num_prefill = instances.get("prefill", 0) or instances.get("colocated", 1)
     return ServeSettings(
         engine=engine_config(spec, model_path),
