@@ -22,6 +22,9 @@ What the workload analyzer (`distserve.analyzer`) reads from the router:
   of the phase's shape), the denominator of goodput per GPU;
 - `distserve_slo_target_seconds{slo}`: the TTFT and TPOT objectives the router counts
   `distserve_slo_met_requests_total` against, drawn as the SLO line beside the percentiles.
+- `distserve_slo_attainment_objective`: the share of requests that must meet both
+  (the spec's `slo.attainment`), when the settings give it; the burn-rate alerts measure
+  each deployment's error budget against it.
 """
 
 from __future__ import annotations
@@ -142,6 +145,8 @@ class ServingMetrics:
                                (*LABELS, "plan_id", "phase"), registry=r)
         self.slo_target = Gauge("distserve_slo_target_seconds", "The latency objective.",
                                 (*LABELS, "slo"), registry=r)
+        self.slo_attainment = Gauge("distserve_slo_attainment_objective",
+                                    "Share of requests that must meet both SLOs.", LABELS, registry=r)
         self._start_series()
 
     def _start_series(self) -> None:
@@ -177,12 +182,17 @@ class ServingMetrics:
             if num_gpus is not None:
                 self.plan_gpus.labels(**labels, plan_id=plan_id, phase=phase).set(num_gpus)
 
-    def set_slo(self, ttft_slo_s: float | None, tpot_slo_s: float | None) -> None:
-        """Export the latency objectives (an objective not set has no series)."""
+    def set_slo(self, ttft_slo_s: float | None, tpot_slo_s: float | None,
+                attainment: float | None = None) -> None:
+        """Export the latency objectives and the attainment objective (one not set has no
+        series)."""
         self.slo_target.clear()
         for slo, seconds in (("ttft", ttft_slo_s), ("tpot", tpot_slo_s)):
             if seconds is not None:
                 self.slo_target.labels(**self._l(), slo=slo).set(seconds)
+        self.slo_attainment.clear()
+        if attainment is not None:
+            self.slo_attainment.labels(**self._l()).set(attainment)
 
     def observe_arrival(self) -> None:
         """Count one request reaching admission (before it may be refused)."""

@@ -1,5 +1,6 @@
 """The series the dashboards add to the engine's: the plan's GPUs per phase (the goodput
-per GPU denominator) and the latency objectives (the SLO lines)."""
+per GPU denominator), the latency objectives (the SLO lines) and the attainment objective
+(the error budget the burn-rate alerts measure)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,11 @@ def test_slo_targets_are_exported_and_replaced():
     metrics.set_slo(None, 0.2)
     targets = {dict(k)["slo"]: v for k, v in samples(metrics, "distserve_slo_target_seconds").items()}
     assert targets == {"tpot": 0.2}
+
+
+def test_attainment_objective_is_exported_when_given_and_replaced():
+    metrics = ServingMetrics("d", "router", "router", "m")
+    metrics.set_slo(2.0, 0.1, attainment=0.99)
+    assert list(samples(metrics, "distserve_slo_attainment_objective").values()) == [0.99]
+    metrics.set_slo(2.0, 0.1)  # settings without one: the rules' default applies
+    assert samples(metrics, "distserve_slo_attainment_objective") == {}

@@ -1,6 +1,7 @@
 """The rules file: promtool accepts it, and `promtool test rules` shows each alert firing on
 the series that must fire it and staying quiet on those that must not (a burn within the
-error budget, a burn that stopped, a load above the plan's goodput)."""
+error budget, a burn that stopped, a load above the plan's goodput), each deployment's
+budget measured against its own attainment objective (90% where it exports none)."""
 
 from __future__ import annotations
 
@@ -28,22 +29,37 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=120)
 
 
-def traffic(arrived_per_min: int, met_per_min: int, minutes: int = MINUTES) -> list[dict]:
+def selector(group: dict[str, str]) -> str:
+    return ", ".join(f'{k}="{v}"' for k, v in group.items())
+
+
+def traffic(arrived_per_min: int, met_per_min: int, minutes: int = MINUTES,
+            group: dict[str, str] = GROUP) -> list[dict]:
     """Requests arriving and meeting both SLOs at steady rates."""
-    return [{"series": f"distserve_requests_arrived_total{{{SELECTOR}, role=\"router\"}}",
+    labels = f'{selector(group)}, role="router", instance="router-0"'
+    return [{"series": f"distserve_requests_arrived_total{{{labels}}}",
              "values": f"0+{arrived_per_min}x{minutes}"},
-            {"series": f"distserve_slo_met_requests_total{{{SELECTOR}, role=\"router\", slo=\"both\"}}",
+            {"series": f"distserve_slo_met_requests_total{{{labels}, slo=\"both\"}}",
              "values": f"0+{met_per_min}x{minutes}"}]
 
 
-def expected(name: str, **extra: str) -> dict:
-    """The alert `name` as it fires for GROUP (+ extra labels), annotations rendered."""
+def objective(attainment: float, group: dict[str, str] = GROUP) -> dict:
+    """The attainment objective the router exports (spec.slo.attainment)."""
+    return {"series": f'distserve_slo_attainment_objective{{{selector(group)}, role="router", '
+                      f'instance="router-0"}}', "values": f"{attainment}x{MINUTES}"}
+
+
+def expected(name: str, objective_text: str = "90%", group: dict[str, str] = GROUP,
+             **extra: str) -> dict:
+    """The alert `name` as it fires for `group` (+ extra labels), annotations rendered (a
+    burn alert's value is the objective)."""
     alert = next(a for a in rules.alerts() if a.name == name)
-    labels = {**GROUP, **extra}
+    labels = {**group, **extra}
     if name == "DistServeDeploymentDegraded":
         labels = {k: v for k, v in labels.items() if k != "model_name"}
 
     def render(text: str) -> str:
+        text = text.replace("{{ $value | humanizePercentage }}", objective_text)
         return re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m.group(1)], text)
 
     return {"exp_labels": {**labels, "severity": alert.severity},
@@ -66,7 +82,7 @@ def burn_cases() -> list[dict]:
                                 ("10m", SLOW, [expected(SLOW)]))
     within_budget = case(traffic(100, 95), ("30m", FAST, []), ("3h", FAST, []),
                          ("3h", SLOW, []))
-    # 70% miss: the 6h/30m pair pages (0.6); 40% miss: only the 1d/2h ticket (0.3).
+    # 70% miss burns a 10% budget 7x: the 6h/30m pair (6x) pages; 40% (4x): only the 1d/2h ticket (3x).
     seventy = case(traffic(100, 30), ("45m", FAST, [expected(FAST)]))
     forty = case(traffic(100, 60), ("3h", FAST, []), ("3h", SLOW, [expected(SLOW)]))
     # An hour of misses, then every request met: the 5m window clears the page at once.
@@ -74,6 +90,23 @@ def burn_cases() -> list[dict]:
                     {"series": traffic(60, 0)[1]["series"], "values": "0+0x60 60+60x120"}],
                    ("40m", FAST, [expected(FAST)]), ("90m", FAST, []))
     return [every_request_misses, within_budget, seventy, forty, stopped]
+
+
+def objective_cases() -> list[dict]:
+    """The same misses burn a 99% objective's budget ten times faster than a 90% one's."""
+    # 20% miss: burn 20x a 1% budget (pages), 2x a 10% budget (no page).
+    strict = case(traffic(100, 80) + [objective(0.99)], ("10m", FAST, [expected(FAST, "99%")]))
+    default = case(traffic(100, 80), ("10m", FAST, []), ("3h", FAST, []))
+    # 5% miss: 5x a 1% budget is a ticket, not a page; within a 10% budget (within_budget).
+    ticket = case(traffic(100, 95) + [objective(0.99)], ("30m", FAST, []),
+                  ("3h", SLOW, [expected(SLOW, "99%")]))
+    # Two deployments, the same 20% miss: only the one with the 99% objective pages.
+    other = {**GROUP, "deployment": "batch"}
+    side_by_side = case(traffic(100, 80) + [objective(0.99)] + traffic(100, 80, group=other),
+                        ("10m", FAST, [expected(FAST, "99%")]))
+    # An exported 90% is the default's 90%: every request missing pages, 70% does not.
+    exported = case(traffic(60, 0) + [objective(0.9)], ("10m", FAST, [expected(FAST)]))
+    return [strict, default, ticket, side_by_side, exported]
 
 
 def other_cases() -> list[dict]:
@@ -114,7 +147,7 @@ def test_promtool_checks_the_rules_file():
 
 def test_promtool_unit_tests_of_the_alerts(tmp_path):
     tests = {"rule_files": [str(RULES_FILE)], "evaluation_interval": "1m",
-             "tests": burn_cases() + other_cases()}
+             "tests": burn_cases() + objective_cases() + other_cases()}
     test_file = tmp_path / "rules_test.yaml"
     test_file.write_text(yaml.safe_dump(tests, sort_keys=False))
     result = promtool("test", "rules", str(test_file))
@@ -130,8 +163,3 @@ def test_a_broken_expectation_fails_promtool(tmp_path):
     test_file.write_text(yaml.safe_dump({"rule_files": [str(RULES_FILE)], "tests": [wrong]}))
     result = promtool("test", "rules", str(test_file))
     assert result.returncode != 0 and FAST in result.stdout + result.stderr
-
-
-def test_burn_thresholds_follow_the_workbook_capped_at_every_request():
-    assert [rules.burn_threshold(f) for f in (14.4, 6.0, 3.0, 1.0)] == [1.0, 0.6, 0.3, 0.1]
-    assert rules.ERROR_BUDGET == pytest.approx(1 - rules.ATTAINMENT_OBJECTIVE)

@@ -32,6 +32,8 @@ QUEUE_TIME = "distserve_queue_time_seconds"  # {phase: prefill, decode}
 KV_BYTES = "distserve_kv_transfer_bytes_total"  # {transport: inprocess, shm, tcp}
 KV_SECONDS = "distserve_kv_transfer_seconds"  # {transport}
 SLO_TARGET = "distserve_slo_target_seconds"  # {slo: ttft, tpot}
+SLO_ATTAINMENT = "distserve_slo_attainment_objective"  # spec.slo.attainment
+DEFAULT_ATTAINMENT_OBJECTIVE = 0.9  # the spec's default, for a router that exports none
 # Per-instance gauges (the router copies them from the loads it polls; the instance
 # exports its own too, so they are read through max/min by instance, never summed raw).
 RUNNING = "vllm:num_requests_running"
@@ -78,6 +80,14 @@ def attainment(matchers: str, window: str, by: str = GROUP_BY) -> str:
     """Share of arrived requests that met both SLOs (refused and failed ones did not)."""
     met = rate(SLO_MET, matchers, window, by, slo="both")
     return f"clamp_max({met} / {rate(ARRIVED, matchers, window, by)}, 1)"
+
+
+def attainment_objective(matchers: str, by: str = GROUP_BY) -> str:
+    """Each deployment's attainment objective: the one its processes export, else the
+    spec's default (for every deployment that has requests series)."""
+    exported = f"max by ({by}) ({series(SLO_ATTAINMENT, matchers)})"
+    default = f"{DEFAULT_ATTAINMENT_OBJECTIVE} * group by ({by}) ({series(ARRIVED, matchers)})"
+    return f"{exported}\nor on ({by})\n{default}"
 
 
 def goodput_rps(matchers: str, window: str, by: str = GROUP_BY) -> str:

@@ -36,7 +36,7 @@ def plot_panel(axes, panel: dict, query: Query, start_s: float) -> None:
             xs = [float(t) - start_s for t, _ in points]
             ys = [float(v) for _, v in points]
             label = legend_text(target.get("legendFormat", ""), series["metric"])
-            style = "--" if label == "SLO" or label.startswith("predicted") else "-"
+            style = "--" if label == "SLO" or label.startswith(("predicted", "objective")) else "-"
             axes.plot(xs, ys, style, marker="o" if len(xs) == 1 else None, label=label, linewidth=1)
     steps = panel.get("fieldConfig", {}).get("defaults", {}).get("thresholds", {}).get("steps", [])
     for step in steps:

@@ -1,13 +1,17 @@
 """The Prometheus recording and alerting rules, one source for the plain rules file and
 the chart's PrometheusRule.
 
-Recording rules give each deployment its SLO attainment over the burn-rate windows, its
-goodput and goodput per GPU. Alerts:
-- attainment burning its error budget (1 - ATTAINMENT_OBJECTIVE), the SRE workbook's
-  multi-window, multi-burn-rate method: page on 1h and 5m at 14.4x or 6h and 30m at 6x,
-  ticket on 1d and 2h at 3x or 3d and 6h at 1x. NOTE: a burn threshold is a share of
-  requests, so it is capped at 1: with a 90% objective the 14.4x pair fires only when
-  every request misses (the most a 10% budget can burn is 10x);
+Recording rules give each deployment its attainment objective (the one its router
+exports, `distserve_slo_attainment_objective`, else the spec's default 90%), its SLO
+attainment and error-budget burn rate over the burn-rate windows, its goodput and goodput
+per GPU. Alerts:
+- attainment burning its error budget, the SRE workbook's multi-window, multi-burn-rate
+  method, each deployment against its own objective: burn rate = share of requests
+  missing / (1 - objective); page on 1h and 5m at 14.4x or 6h and 30m at 6x, ticket on 1d
+  and 2h at 3x or 3d and 6h at 1x. NOTE: a budget cannot burn faster than every request
+  missing (1 / (1 - objective)), so a factor above that is lowered to it: with a 90%
+  objective the 14.4x pair fires only when every request misses (the most a 10% budget
+  can burn is 10x), with 99% it fires at 14.4% missing;
 - a KV transfer stall (prefilled KV waits for a pull, and no pull finished in 5m);
 - an instance the router sees unhealthy; a deployment the operator calls Degraded;
 - observed attainment far below the plan's prediction while the load stays within the
@@ -22,8 +26,6 @@ import yaml
 
 from distserve.monitoring import promql as q
 
-ATTAINMENT_OBJECTIVE = 0.9  # the spec's default `slo.attainment`
-ERROR_BUDGET = 1.0 - ATTAINMENT_OBJECTIVE
 ATTAINMENT_SHORTFALL = 0.15  # observed this far below predicted is "far below"
 # (long window, short window, burn factor) per severity, from the SRE workbook.
 BURN_WINDOWS = {"page": (("1h", "5m", 14.4), ("6h", "30m", 6.0)),
@@ -60,9 +62,20 @@ def attainment_record(window: str) -> str:
     return f"distserve:slo_attainment:ratio_rate{window}"
 
 
+def burn_record(window: str) -> str:
+    return f"distserve:slo_error_budget_burn:rate{window}"
+
+
+OBJECTIVE_RECORD = "distserve:slo_attainment_objective:max"
+
+
 def recording_rules() -> list[dict]:
-    """Attainment per window, arrivals, goodput and goodput per GPU, per deployment."""
-    rules = [{"record": attainment_record(w), "expr": q.attainment("", w)} for w in WINDOWS]
+    """The objective; attainment and burn rate per window; arrivals, goodput and goodput
+    per GPU; per deployment."""
+    rules = [{"record": OBJECTIVE_RECORD, "expr": q.attainment_objective("")}]
+    rules += [{"record": attainment_record(w), "expr": q.attainment("", w)} for w in WINDOWS]
+    rules += [{"record": burn_record(w), "expr": f"(1 - {attainment_record(w)}) / (1 - {OBJECTIVE_RECORD})"}
+              for w in WINDOWS]
     rules += [
         {"record": "distserve:requests_arrived:rate5m", "expr": q.rate(q.ARRIVED, "", "5m", q.GROUP_BY)},
         {"record": "distserve:requests_arrived:rate30m", "expr": q.rate(q.ARRIVED, "", "30m", q.GROUP_BY)},
@@ -74,28 +87,31 @@ def recording_rules() -> list[dict]:
     return rules
 
 
-def burn_threshold(factor: float) -> float:
-    """The error ratio at which the budget burns `factor` times too fast (at most 1)."""
-    return round(min(factor * ERROR_BUDGET, 1.0), 6)
+def burn_threshold(factor: float) -> str:
+    """The burn rate a window must reach: `factor`, or every request missing where the
+    objective's budget cannot burn that fast."""
+    return f"clamp_max(1 / (1 - {OBJECTIVE_RECORD}), {factor})"
 
 
 def burn_expr(severity: str) -> str:
-    """Both windows of a pair above the pair's threshold, either pair."""
+    """The objective of each deployment whose two windows of a pair both burn at the
+    pair's rate, either pair (the objective is the alert's value, for its description)."""
     pairs = []
     for long, short, factor in BURN_WINDOWS[severity]:
         t = burn_threshold(factor)
-        pairs.append(f"(1 - {attainment_record(long)} >= {t} and 1 - {attainment_record(short)} >= {t})")
-    return "\n  or\n".join(pairs)
+        pairs.append(f"  ({burn_record(long)} >= {t}\n   and {burn_record(short)} >= {t})")
+    return f"{OBJECTIVE_RECORD}\nand (\n" + "\n  or\n".join(pairs) + "\n)"
 
 
 def burn_alert(severity: str, name: str, speed: str) -> Alert:
     windows = [w for pair in BURN_WINDOWS[severity] for w in pair[:2]]
+    rates = " or ".join(f"{long} and {short} at {factor:g}x" for long, short, factor in BURN_WINDOWS[severity])
     return Alert(
-        name, burn_expr(severity), tuple(attainment_record(w) for w in windows), severity,
+        name, burn_expr(severity), tuple(burn_record(w) for w in windows), severity,
         f"{{{{ $labels.deployment }}}} burns its attainment error budget {speed}",
         f"Requests meeting both TTFT and TPOT in {{{{ $labels.namespace }}}}/"
-        f"{{{{ $labels.deployment }}}} fall short of the {ATTAINMENT_OBJECTIVE:.0%} objective "
-        f"fast enough to spend the budget early ({', '.join(windows)} windows).")
+        f"{{{{ $labels.deployment }}}} fall short of the {{{{ $value | humanizePercentage }}}} "
+        f"objective fast enough to spend the error budget early (burn rate over {rates}).")
 
 
 def alerts() -> list[Alert]:

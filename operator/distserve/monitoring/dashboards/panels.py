@@ -78,14 +78,6 @@ def dashed(panel: timeseries.Panel, name_regex: str, color: str = "red") -> time
     ])
 
 
-def threshold_line(panel: timeseries.Panel, value: float) -> timeseries.Panel:
-    """A fixed objective drawn as a line: red below `value`, green from it."""
-    steps = [dm.Threshold(value=None, color="red"), dm.Threshold(value=value, color="green")]
-    return (panel.thresholds(db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(steps))
-            .thresholds_style(common.GraphThresholdsStyleConfig().mode(
-                common_models.GraphTresholdsStyleMode.LINE)))
-
-
 def single(title: str, description: str, unit: str, *targets: prometheus.Dataquery) -> stat.Panel:
     """A stat panel of the last value."""
     last = common.ReduceDataOptions().calcs(["lastNotNull"]).values(False)

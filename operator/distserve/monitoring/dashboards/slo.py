@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from distserve.monitoring import promql as q
 from distserve.monitoring.dashboards import panels as p
-from distserve.monitoring.rules import ATTAINMENT_OBJECTIVE
 
 UID = "distserve-slo"
 D, W = q.DASHBOARD, q.RATE_WINDOW
@@ -29,12 +28,14 @@ def attainment_panel() -> object:
     observed = p.target(q.attainment(D, W, BY), "observed {{deployment}}")
     predicted = p.target(f"max by ({BY}) ({q.series(q.PLAN_ATTAINMENT, D)})",
                          "predicted {{deployment}}")
+    objective = p.target(q.attainment_objective(D, BY), "objective {{deployment}}")
     panel = p.graph("SLO attainment: observed vs predicted",
                     "Share of arrived requests meeting both TTFT and TPOT (refused and failed "
-                    "ones count as misses), beside the planner's prediction at its goodput; the "
-                    f"line is the {ATTAINMENT_OBJECTIVE:.0%} objective the alerts burn against.",
-                    "percentunit", observed, predicted).max(1)
-    return p.dashed(p.threshold_line(panel, ATTAINMENT_OBJECTIVE), "^predicted", "blue")
+                    "ones count as misses), beside the planner's prediction at its goodput and "
+                    "the deployment's objective (spec.slo.attainment, 90% where the router "
+                    "exports none), which the alerts burn the error budget against.",
+                    "percentunit", observed, predicted, objective).max(1)
+    return p.dashed(p.dashed(panel, "^predicted", "blue"), "^objective", "red")
 
 
 def goodput_panel() -> object:
