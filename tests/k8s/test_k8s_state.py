@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from k8s_factories import make_node, make_plan, make_revision, make_spec
 
-from distserve.k8s import applying, health, nodes, workers
+from distserve.k8s import applying, fleet, health, nodes, workers
 from distserve.k8s import status as st
 
 
@@ -109,3 +109,54 @@ def test_patches_of_pods_touch_only_metadata_and_quantities_compare_as_text():
                "protocol": "TCP"}], "clusterIP": "10.0.0.1"}}
     assert applying.is_subset(desired, current)
     assert not applying.is_subset({"spec": {"ports": [{"port": 81}]}}, current)
+
+
+def merge_patch(doc: dict, patch: dict) -> dict:
+    """A JSON merge patch (RFC 7386), as the API server applies a status patch."""
+    out = dict(doc)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_patch(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def documents_in(status: dict) -> list[str]:
+    """The ids of every plan document the status holds, with repeats."""
+    found = [status["plan"]["id"]] if status.get("plan") else []
+    found += [doc["id"] for doc in (status.get("priorPlans") or {}).values()]
+    found += [ref["id"] for ref in (status.get("revisionPlans") or {}).values() if isinstance(ref, dict)]
+    return found
+
+
+def test_the_status_stores_each_plan_once_through_a_replan_and_its_drain():
+    old, new = make_plan(), make_plan(prefill=(1, 1, 2))
+    old_rev, new_rev = make_revision(old), make_revision(new)
+    members = fleet.plan_members(old_rev)
+    status = merge_patch({}, st.store_plans_once({}, st.build_plan_status(old)))
+    status = merge_patch(status, st.store_plans_once(status, fleet.status_fields(members, status, {})))
+    assert documents_in(status) == [old.plan_id]
+    assert status["revisionPlans"] == {old_rev.id: old.plan_id}
+    # a replan is shown while the old plan's instances serve: the old document moves aside
+    status = merge_patch(status, st.store_plans_once(status, st.build_plan_status(new)))
+    assert sorted(documents_in(status)) == sorted([new.plan_id, old.plan_id])
+    assert fleet.revision_plans(status) == {old_rev.id: old}
+    # the reshuffle runs both revisions' instances, then only the new ones
+    both = members + fleet.plan_members(new_rev)
+    status = merge_patch(status, st.store_plans_once(status, fleet.status_fields(both, status, {})))
+    assert sorted(documents_in(status)) == sorted([new.plan_id, old.plan_id])
+    assert fleet.revision_plans(status) == {old_rev.id: old, new_rev.id: new}
+    status = merge_patch(status, st.store_plans_once(
+        status, fleet.status_fields(fleet.plan_members(new_rev), status, {})))
+    assert documents_in(status) == [new.plan_id]
+    assert "priorPlans" not in status or not status["priorPlans"]
+    assert fleet.revision_plans(status) == {new_rev.id: new}
+
+
+def test_a_status_whose_revision_plans_hold_documents_is_still_read():
+    plan = make_plan()
+    revision = make_revision(plan)
+    assert fleet.revision_plans({"revisionPlans": {revision.id: plan.to_dict()}}) == {revision.id: plan}

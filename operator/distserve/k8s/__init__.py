@@ -30,7 +30,8 @@ status says), `client` (the API), `planning`, `applying`, `reconciling`, `reshuf
   tools: the plan document and every instance `{"name", "role", "instance",
   "revision", "url", "stages", "draining"}`.
 - Reshuffle (`reshuffling` plans, `rollout` runs, `fleet` keeps the live set in
-  `status.instances` and `status.revisionPlans`): a new plan keeps every instance it
+  `status.instances` and `status.revisionPlans`, revision id -> plan id, each plan's
+  document stored once in `status.plan` or `status.priorPlans`): a new plan keeps every instance it
   shares with the running ones (same role, tp, pp, engine, node and GPUs), under their
   old names; the others are replaced one step per monitor round, progress in
   `status.reshuffle`: create where the node's free GPUs (allocatable minus what other

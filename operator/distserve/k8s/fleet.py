@@ -3,8 +3,9 @@
 After a reshuffle the instances may come from several revisions: the ones the new plan
 shared with the old stay with their old names. The status keeps the set in one place:
 `status.instances` lists `{"revision", "role", "index"}` of every live instance (created
-or kept, not yet deleted), and `status.revisionPlans` the plan document of each revision
-named there, so that healing, draining and the next reshuffle need no search and no
+or kept, not yet deleted), and `status.revisionPlans` the plan id of each revision named
+there, its document in `status.plan` or `status.priorPlans` (each stored once, see
+`status.py`), so that healing, draining and the next reshuffle need no search and no
 other object. A status written before either existed means: every instance of the
 applied plan, in `status.revision`.
 """
@@ -85,7 +86,10 @@ def plan_members(revision: naming.Revision) -> list[Member]:
 def revision_plans(status: dict[str, Any]) -> dict[str, Plan]:
     """Revision id -> plan, for the revisions live instances come from."""
     found = {}
-    for revision_id, doc in (status.get("revisionPlans") or {}).items():
+    docs = st.plan_documents(status)
+    for revision_id, ref in (status.get("revisionPlans") or {}).items():
+        # NOTE: a status an earlier operator wrote holds the document itself
+        doc = ref if isinstance(ref, dict) else docs.get(ref) if ref else None
         plan = st.stored_plan({"plan": doc})
         if plan is not None:
             found[revision_id] = plan
@@ -111,14 +115,19 @@ def live_members(owner: naming.Owner, spec: specs.DistServeDeploymentSpec,
 
 def status_fields(members: list[Member], status: dict[str, Any],
                   also: dict[str, Plan]) -> dict[str, Any]:
-    """`instances` and `revisionPlans` for these live instances, plus the plans `also`
-    (a reshuffle's target) and the target of the reshuffle in `status`; plans no one names
-    any more are dropped (None: a merge patch removes the key)."""
-    plans: dict[str, Any] = {rid: None for rid in status.get("revisionPlans") or {}}
+    """`instances` and `revisionPlans` (revision id -> plan id) for these live instances,
+    plus the plans `also` (a reshuffle's target) and the target of the reshuffle in
+    `status`; revisions no one names any more are dropped (None: a merge patch removes
+    the key). Their documents are offered in `priorPlans`; the status write keeps each
+    once (`status.store_plans_once`)."""
+    revision_to_plan: dict[str, Plan] = {}
     target = (status.get("reshuffle") or {}).get("revision")
     kept = revision_plans(status)
     if target in kept:
-        plans[target] = kept[target].to_dict()
-    plans.update({rid: plan.to_dict() for rid, plan in also.items()})
-    plans.update({m.revision_id: m.plan.to_dict() for m in members})
-    return {"instances": [m.record() for m in members], "revisionPlans": plans}
+        revision_to_plan[target] = kept[target]
+    revision_to_plan.update(also)
+    revision_to_plan.update({m.revision_id: m.plan for m in members})
+    refs: dict[str, Any] = {rid: None for rid in status.get("revisionPlans") or {}}
+    refs.update({rid: plan.plan_id for rid, plan in revision_to_plan.items()})
+    return {"instances": [m.record() for m in members], "revisionPlans": refs,
+            "priorPlans": {plan.plan_id: plan.to_dict() for plan in revision_to_plan.values()}}

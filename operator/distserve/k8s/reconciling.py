@@ -71,7 +71,7 @@ async def write_status(
     merged = status.get("conditions")
     for kind, is_true, reason, message in conditions:
         merged = st.set_condition(merged, kind, is_true, reason, message)
-    patch = {**fields, "conditions": merged} if conditions else dict(fields)
+    patch = st.store_plans_once(status, {**fields, "conditions": merged} if conditions else dict(fields))
     if patch.get("phase"):
         metrics.set_phase(owner, patch["phase"])
     if not patch or st_matches(status, patch):

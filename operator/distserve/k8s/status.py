@@ -5,6 +5,11 @@ predictedGoodputRps) sit at the top of `status`, next to the plan's other figure
 the whole plan document is kept in `status.plan` so that an approval or an operator
 restart applies exactly the plan that was shown, without searching again.
 
+Each plan document is stored once. `status.revisionPlans` names the plan of each live
+revision by its id; the document of a plan live instances run that is not the shown
+one (the plan before a replan, while its instances drain or await approval) is in
+`status.priorPlans`, keyed by plan id. `store_plans_once` keeps it so on every write.
+
 Conditions follow the Kubernetes convention: one entry per type, `lastTransitionTime`
 moves only when `status` flips.
 """
@@ -116,6 +121,37 @@ def stored_plan(status: dict[str, Any] | None) -> Plan | None:
         return Plan.from_dict(doc)
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def plan_documents(status: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Plan id -> document of every plan the status keeps: the shown one and the prior ones."""
+    status = status or {}
+    docs = {pid: doc for pid, doc in (status.get("priorPlans") or {}).items() if doc}
+    shown = status.get("plan")
+    if shown and shown.get("id"):
+        docs[shown["id"]] = shown
+    return docs
+
+
+def store_plans_once(status: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """`patch` with `priorPlans` completed, when it changes the shown plan or the revisions'
+    plans: the documents of the plans a live revision names other than the shown one,
+    each once (None for one no longer named: a merge patch removes it). A document the
+    patch offers in `priorPlans` (a reshuffle's target) is kept only where it is named."""
+    if not {"plan", "revisionPlans", "priorPlans"} & set(patch):
+        return patch
+    shown = patch["plan"] if "plan" in patch else status.get("plan")
+    shown_id = (shown or {}).get("id")
+    refs = {**(status.get("revisionPlans") or {}), **(patch.get("revisionPlans") or {})}
+    named = {ref for ref in refs.values() if isinstance(ref, str)} - {shown_id}
+    docs = {**plan_documents(status),
+            **{pid: doc for pid, doc in (patch.get("priorPlans") or {}).items() if doc}}
+    prior: dict[str, Any] = {pid: None for pid in status.get("priorPlans") or {}}
+    prior.update({pid: docs[pid] for pid in named if pid in docs})
+    out = {key: value for key, value in patch.items() if key != "priorPlans"}
+    if prior:
+        out["priorPlans"] = prior
+    return out
 
 
 def set_condition(
