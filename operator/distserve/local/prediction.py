@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distserve.local.report import RunSummary
+from distserve.local.settings import local_instance_name
 from distserve.search.goodput import MAX_SHRINK, find_goodput
 from distserve.search.trials import SearchContext, Unit, simulate_baseline, simulate_unit
 from distserve.simulator import SLO, SimResult, Trace
@@ -52,7 +53,7 @@ class LocalShape:
         local prediction does not simulate."""
         role_to_parallel = {}
         for role, count in settings.instances.items():
-            shapes = {settings.parallel_of(role, f"{role}-{i}") for i in range(count)}
+            shapes = {settings.parallel_of(role, local_instance_name(role, i)) for i in range(count)}
             if len(shapes) > 1:
                 raise ValueError(f"the {role} instances differ in tp or pp (a mixed plan); the "
                                  "local prediction simulates one shape per role")
