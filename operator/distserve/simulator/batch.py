@@ -27,6 +27,20 @@ def held_by_others(lanes, lane=None) -> int:
     return sum(x.run.tokens_held() for x in lanes if x is not lane)
 
 
+def limit_runs(lanes, free_tokens: int) -> None:
+    """End each lane's run, in order, at the last step within what the other lanes leave
+    of free_tokens (the KV the lanes may hold together; `DecodeRun.limit`).
+
+    NOTE: one running sum of what the lanes hold, not held_by_others per lane: that was
+    pp x pp calls per admission, most of a trial's time for a deep pipeline.
+    """
+    held = sum(lane.run.tokens_held() for lane in lanes)
+    for lane in lanes:
+        mine = lane.run.tokens_held()
+        lane.run.limit(free_tokens - (held - mine))
+        held += lane.run.tokens_held() - mine
+
+
 class DecodeBatch:
     """Requests decoding together on one pipeline lane.
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from distserve.simulator.batch import DecodeRun, held_by_others
+from distserve.simulator.batch import DecodeRun, held_by_others, limit_runs
 from distserve.simulator.events import EventLoop
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
 from distserve.simulator.timing import InstanceModel
@@ -52,8 +52,7 @@ class _Instance:
         self.promised_tokens += self.sim.held[rid]
         self.count += 1
         if len(self.lanes) > 1:  # the promise may end another lane's run sooner
-            for lane in self.lanes:
-                lane.run.limit(self.budget_tokens(lane))
+            limit_runs(self.lanes, self.inst.kv_capacity_tokens - self.promised_tokens)
 
     def release(self, rid: int, from_lane: _Lane) -> None:
         self.count -= 1

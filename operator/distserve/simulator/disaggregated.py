@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from distserve.simulator.batch import DecodeRun, held_by_others
+from distserve.simulator.batch import DecodeRun, held_by_others, limit_runs
 from distserve.simulator.events import EventLoop
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
 from distserve.simulator.timing import InstanceModel
@@ -266,9 +266,8 @@ class _Decode:
             seconds = sim.prompt[rid] * self.s_per_token[p] if p >= 0 else 0.0
             self.link_free_s = max(sim.loop.now, self.link_free_s) + seconds
             sim.loop.at(self.link_free_s, self._arrived, rid, p)
-        if is_admitted:
-            for lane in self.lanes:  # the promise may end a running lane's run sooner
-                lane.run.limit(self.budget_tokens(lane))
+        if is_admitted:  # the promise may end a running lane's run sooner
+            limit_runs(self.lanes, self.inst.kv_capacity_tokens - self.promised_tokens)
 
     def _least_loaded_lane(self) -> _Lane:
         lanes = self.lanes
