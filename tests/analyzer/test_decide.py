@@ -4,6 +4,7 @@ of change and why, the cost of a reshuffle, and the running latency correction."
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from decision_factories import (
@@ -84,15 +85,36 @@ def test_noise_and_a_passing_blip_do_not_move():
 
 
 def test_cooldown_follows_a_reshuffle():
-    evaluator = FakeEvaluator()
+    evaluator = FakeEvaluator()  # after the move, 24 GPUs of the short shape hold 4 req/s of long prompts
     windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 8.0, seed=2),
-               *(make_observation(t, 8.0, "summarization", seed=t) for t in (1500, 1800, 2100))]
+               *(make_observation(t, 3.0, "summarization", seed=t) for t in (1500, 1800, 2100))]
     decisions = run(windows, make_plan(copies=2), make_settings(), evaluator)
-    assert [d.action for d in decisions] == ["keep", "replan", "keep", "keep", "replan"]
+    assert [d.action for d in decisions] == ["keep", "replan", "keep", "keep", "keep"]
     assert "cooldown (600 s left)" in decisions[2].reason
     assert "cooldown (300 s left)" in decisions[3].reason
-    assert decisions[4].kind == "parallelism" and shape_of(decisions[4].plan) == LONG_SHAPE
-    assert decisions[4].state.last_reshuffle_s == 2100
+    assert "cooldown" not in decisions[4].reason  # judged on its merits (no cheaper plan here)
+    assert evaluator.searches == 2
+
+
+def test_a_miss_moves_in_the_cooldown():
+    evaluator = FakeEvaluator()  # 24 GPUs of the short shape hold 4 req/s of long prompts, not 8
+    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 8.0, seed=2),
+               make_observation(1500, 8.0, "summarization", seed=3)]
+    decisions = run(windows, make_plan(copies=2), make_settings(), evaluator)
+    assert [d.action for d in decisions] == ["keep", "replan", "replan"]
+    assert "predicted to reach" in decisions[2].reason
+    assert shape_of(decisions[2].plan) == LONG_SHAPE
+
+
+def test_a_rising_rate_is_sized_from_the_window_recent_part():
+    evaluator = FakeEvaluator()  # 16 GPUs serve 8 req/s
+    state = DecisionState(reference=make_observation(900, 4.0, seed=1))
+    flat = make_observation(1200, 4.0, seed=2)
+    assert decide(flat, make_plan(copies=2), make_settings(), state, evaluator).action == "keep"
+    rising = replace(flat, recent_rate_rps=8.0)  # 1.2 x 8 req/s is more than 16 GPUs hold
+    decision = decide(rising, make_plan(copies=2), make_settings(), state, evaluator)
+    assert decision.numbers.sized_rate_rps == pytest.approx(9.6)
+    assert decision.action == "replan" and decision.plan.num_gpus > 16
 
 
 def test_a_window_holding_a_reshuffle_is_not_judged_on_its_attainment():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from decision_factories import SHORT_SHAPE, make_observation, make_plan
 
-from distserve.analyzer.replan import SearchEvaluator, observed_workload
+from distserve.analyzer.replan import Prediction, SearchEvaluator, observed_workload
 from distserve.analyzer.scaling import change_kind, copy_unit, place_copies, started_gpus
 from distserve.latency import Correction, corrected, get_latency_model
 from distserve.spec import parse_spec
@@ -88,3 +88,30 @@ def test_the_search_on_summarization_traffic_picks_another_shape_than_on_code():
     # long prompts: more GPUs per prefill instance, and more GPUs in all
     assert summarization.prefill.gpus_per_instance > code.prefill.gpus_per_instance
     assert summarization.num_gpus > code.num_gpus
+
+
+class JudgedEvaluator(SearchEvaluator):
+    """The search's plans per span and their predicted attainment, given (no simulation)."""
+
+    def __init__(self, found: dict[int, tuple[int, float]]) -> None:
+        super().__init__(parse_spec({**OPT_66B, "planner": {"maxNodesPerInstance": 4}}))
+        self.found = found  # span -> (copies of the short shape, predicted attainment)
+
+    def _planned(self, span, overrides):
+        copies, _ = self.found[span]
+        return placed_plan(self, copies=copies)
+
+    def predict(self, plan, observation, rate_rps, correction):
+        attainment = next(a for c, a in self.found.values() if c * 8 == plan.num_gpus)
+        return Prediction(rate_rps, attainment, 1.0, 0.05)
+
+
+@pytest.mark.parametrize(("found", "gpus"), [
+    ({1: (1, 0.40), 2: (2, 0.95), 4: (3, 0.99)}, 16),  # the cheapest is predicted to miss
+    ({1: (1, 0.20), 2: (2, 0.60), 4: (3, 0.50)}, 16),  # none meets: the closest
+    ({1: (1, 0.93), 2: (2, 0.95), 4: (3, 0.99)}, 8),
+])
+def test_the_search_returns_the_cheapest_plan_predicted_to_meet_the_target(found, gpus):
+    evaluator = JudgedEvaluator(found)
+    plan = evaluator.search(make_observation(900, 3.0), 3.0, Correction())
+    assert plan.num_gpus == gpus

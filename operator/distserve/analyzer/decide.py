@@ -7,14 +7,17 @@ once per interval and pass back the `DecisionState` it returns. In order:
 1. too few requests in the window, or no length histogram: no decision;
 2. the latency model is corrected: per-phase factors fitted on this window (unless a
    reshuffle fell inside it) are blended into the running correction;
-3. the current plan is simulated on the observed workload at the observed rate times
-   `headroom`; a trigger is a predicted or observed miss of the attainment target, or
-   a shift of rate or length mix against the window the plan was last checked for (a
-   predicted miss counts only when the model also reproduces the observed attainment);
-4. hysteresis: a shift must persist for `holdSeconds` (a miss does not wait: requests
-   are failing now), and no move is made within `cooldownSeconds` of the last
-   reshuffle; a window that holds a reshuffle is not judged on its observed attainment
-   (its weight loading, not the plan, is what it measured);
+3. the current plan is simulated on the observed workload at the sized rate: the
+   window's rate or, when higher, its recent rate (the last third of the window, where
+   a rising rate is now), times `headroom`; a trigger is a predicted or observed miss
+   of the attainment target, or a shift of rate or length mix against the window the
+   plan was last checked for (a predicted miss counts only when the model also
+   reproduces the observed attainment);
+4. hysteresis, as autoscalers scale up at once and down slowly: a shift must persist
+   for `holdSeconds` and waits out `cooldownSeconds` after the last reshuffle; a miss
+   waits for neither (requests are failing now); a window that holds a reshuffle is
+   not judged on its observed attainment (its weight loading, not the plan, is what it
+   measured);
 5. two candidates, the current shape with more or fewer copies (`scale`) and the
    search's plan (`search`), are simulated on the same workload; the cheapest that
    meets the target wins. A miss moves to it; otherwise it must save `minGain` of the
@@ -73,7 +76,7 @@ class DecisionNumbers:
     num_requests: int
     observed_rate_rps: float
     observed_attainment: float | None = None
-    sized_rate_rps: float | None = None  # observed rate x headroom: what plans must serve
+    sized_rate_rps: float | None = None  # observed (or recent) rate x headroom: what plans must serve
     predicted_attainment: float | None = None  # the current plan at sized_rate_rps
     new_attainment: float | None = None  # the chosen candidate at sized_rate_rps
     current_gpus: int | None = None
@@ -137,7 +140,8 @@ def decide(
                          observation)
     now_s = observation.end_s
     state = replace(state, correction=_corrected(state, plan, observation, settings, evaluator))
-    sized_rps = observation.arrival_rate_rps * settings.headroom
+    sized_rps = max(observation.arrival_rate_rps, observation.recent_rate_rps or 0.0) * (
+        settings.headroom)
     predicted = evaluator.predict(plan, observation, sized_rps, state.correction)
     numbers = replace(
         numbers, sized_rate_rps=sized_rps, predicted_attainment=predicted.attainment,
@@ -165,7 +169,7 @@ def decide(
     state = replace(state, reference=reference, trigger_since_s=since_s)
     numbers = replace(numbers, held_s=now_s - since_s)
     trigger = miss or f"shift ({verdict.describe()})"
-    if state.last_reshuffle_s is not None:
+    if state.last_reshuffle_s is not None and miss is None:
         left_s = state.last_reshuffle_s + settings.cooldown_seconds - now_s
         if left_s > 0:
             return _decision("keep", f"{trigger}, but in cooldown ({left_s:.0f} s left)",

@@ -61,3 +61,4 @@ class Observation:
     num_refused: int = 0
     phases: dict[str, PhaseObservation] = field(default_factory=dict)  # "prefill", "decode"
     plan_id: str | None = None  # the plan the deployment served under (distserve_plan_info)
+    recent_rate_rps: float | None = None  # arrivals over the window's last third: a rising rate

@@ -7,7 +7,9 @@ summed over the deployment's routers and instances that match the selector:
 - burstiness: the counter's raw values every `subwindow_s` give arrivals per
   sub-window; for a renewal process the counts' index of dispersion (variance / mean)
   tends to the squared coefficient of variation of the gaps, so `arrival_cv` is its
-  square root (1 for Poisson). A sub-window that spans a counter reset is left out;
+  square root (1 for Poisson). A sub-window that spans a counter reset is left out.
+  The rate over the last third of the sub-windows is `recent_rate_rps`: where a rising
+  rate is now, which the window's mean lags;
 - lengths: the increase of each bucket of `vllm:request_prompt_tokens` and
   `vllm:request_generation_tokens`, fitted by `fit.py` (interval-censored maximum
   likelihood over a few `scipy.stats` families);
@@ -103,6 +105,15 @@ def subwindow_counts(points: tuple[tuple[float, float], ...]) -> list[float]:
     return [b - a for a, b in zip(values, values[1:], strict=False) if b >= a]
 
 
+def recent_rate(counts: list[float] | np.ndarray, subwindow_s: float) -> float | None:
+    """Arrivals per second over the last third of the sub-windows (at least one): where a
+    rising rate is now, which the whole window's mean lags."""
+    if len(counts) == 0 or not subwindow_s > 0:
+        return None
+    last = max(1, len(counts) // 3)
+    return float(np.sum(counts[-last:])) / (last * subwindow_s)
+
+
 def _one(samples: list[Sample]) -> float | None:
     return finite_or_none(samples[0].value) if samples else None
 
@@ -164,6 +175,7 @@ async def observe(client: PrometheusClient, labels: Mapping[str, str],
         num_refused=int(round(_one(got["refused"]) or 0.0)),
         phases=_phases(got["queue_p90"], got["kv_usage"]),
         plan_id=_plan_id(got["plan"]),
+        recent_rate_rps=recent_rate(counts, sub_s),
     )
 
 

@@ -153,13 +153,17 @@ class SearchEvaluator:
     def search(
         self, observation: Observation, rate_rps: float, correction: Correction
     ) -> Plan | None:
-        """The fewest-GPU plan the search finds for the observed workload at rate_rps (or,
-        where the cluster or the GPU budget cannot hold that, at a lower rate); None when
-        nothing fits.
+        """The fewest-GPU plan the search finds for the observed workload that is predicted
+        to meet the target at rate_rps, else the one predicted to come closest (where the
+        cluster or the GPU budget cannot hold rate_rps, the search's plans for a lower
+        rate); None when nothing fits.
 
         NOTE: the search maximises goodput per GPU, so its unit may span the whole cluster
         and serve far more than a low rate needs; searching again with instances limited
-        to fewer nodes finds smaller units, and the cheapest plan serving the rate wins.
+        to fewer nodes finds smaller units. The search sizes copies on trials of a minute
+        of arrivals, where a plan near its knee has not yet grown the queue it grows over
+        the minutes a decision holds it; so each plan is judged as `predict` judges the
+        current one, and the cheapest that meets the target wins.
         """
         workload = self.workload(observation)
         for step in range(MAX_STEPS_DOWN + 1):
@@ -167,8 +171,14 @@ class SearchEvaluator:
                 workload, rate_rps / RATE_STEP_DOWN**step, correction, with_baselines=False
             )
             plans = [plan for span in self._spans() if (plan := self._planned(span, overrides))]
-            if plans:
-                return min(plans, key=lambda plan: (plan.num_gpus, -plan.goodput_rps))
+            if not plans:
+                continue
+            judged = [(plan, self.predict(plan, observation, rate_rps, correction).attainment)
+                      for plan in plans]
+            meeting = [plan for plan, attainment in judged if attainment >= self.attainment_target]
+            if meeting:
+                return min(meeting, key=lambda plan: (plan.num_gpus, -plan.goodput_rps))
+            return max(judged, key=lambda judged_plan: judged_plan[1])[0]
         return None
 
     def _spans(self) -> list[int]:
