@@ -3,6 +3,7 @@ of change and why, the cost of a reshuffle, and the running latency correction."
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -228,3 +229,20 @@ def test_settings_refuse_a_window_shorter_than_the_interval():
     with pytest.raises(ValueError, match="windowSeconds"):
         ReplanningSpec.model_validate({"intervalSeconds": 600, "windowSeconds": 300})
     assert ReplanningSpec().window_seconds == 900
+
+
+def test_the_state_survives_a_round_trip_through_json():
+    evaluator = FakeEvaluator()
+    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 8.0, seed=2),
+               make_observation(1500, 3.0, "summarization", seed=3)]
+    decisions = run(windows, make_plan(copies=2), make_settings(), evaluator)
+    state = replace(decisions[-1].state, correction=Correction(1.3, 0.8))
+    restored = DecisionState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert restored == state
+    assert DecisionState.from_dict(None) == DecisionState()
+    # a restarted operator goes on with the hold and the cooldown it had
+    after = make_observation(1800, 3.0, "summarization", seed=4)
+    plan = decisions[1].plan
+    assert (decide(after, plan, make_settings(), restored, evaluator).reason
+            == decide(after, plan, make_settings(), state, evaluator).reason)
+    assert "cooldown (300 s left)" in decide(after, plan, make_settings(), restored, evaluator).reason

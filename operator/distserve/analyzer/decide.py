@@ -28,10 +28,11 @@ The decision says which kind of change (replicas, ratio, parallelism) and why.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Literal, Protocol
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal, Protocol
 
-from distserve.analyzer.observation import Observation
+from distserve.analyzer.observation import LengthFit, Observation, PhaseObservation
 from distserve.analyzer.replan import Prediction
 from distserve.analyzer.scaling import ChangeKind, change_kind, ratio_text, started_gpus
 from distserve.analyzer.settings import ReplanningSpec
@@ -101,13 +102,58 @@ class HistoryEntry:
 
 @dataclass(frozen=True)
 class DecisionState:
-    """What one decision hands the next."""
+    """What one decision hands the next.
+
+    The operator keeps it in the resource's status (`to_dict` / `from_dict`), so that a
+    restarted operator goes on with the hold, cooldown and correction it had.
+    """
 
     reference: Observation | None = None  # the window the plan was last made or checked for
     trigger_since_s: float | None = None  # when the current trigger was first seen
     last_reshuffle_s: float | None = None
     correction: Correction = Correction()
     history: tuple[HistoryEntry, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able form (the reference window with its histograms, not its fits' samples)."""
+        return {
+            "reference": asdict(self.reference) if self.reference is not None else None,
+            "triggerSinceSeconds": self.trigger_since_s,
+            "lastReshuffleSeconds": self.last_reshuffle_s,
+            "correction": {"prefillFactor": self.correction.prefill_factor,
+                           "decodeFactor": self.correction.decode_factor},
+            "history": [asdict(entry) for entry in self.history],
+        }
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any] | None) -> DecisionState:
+        """The state `to_dict` wrote; a fresh state for None or an empty document."""
+        if not data:
+            return DecisionState()
+        correction = data.get("correction") or {}
+        return DecisionState(
+            reference=_observation_from_dict(data.get("reference")),
+            trigger_since_s=data.get("triggerSinceSeconds"),
+            last_reshuffle_s=data.get("lastReshuffleSeconds"),
+            correction=Correction(correction.get("prefillFactor", 1.0),
+                                  correction.get("decodeFactor", 1.0)),
+            history=tuple(HistoryEntry(**entry) for entry in data.get("history") or ()),
+        )
+
+
+def _observation_from_dict(data: Mapping[str, Any] | None) -> Observation | None:
+    if data is None:
+        return None
+
+    def fit(values: Mapping[str, Any] | None) -> LengthFit | None:
+        if values is None:
+            return None
+        return LengthFit(**{**values, **{k: tuple(values[k]) for k in
+                                         ("params", "bucket_upper_tokens", "bucket_counts")}})
+
+    phases = {name: PhaseObservation(**values) for name, values in (data.get("phases") or {}).items()}
+    return Observation(**{**data, "prompt": fit(data.get("prompt")),
+                          "output": fit(data.get("output")), "phases": phases})
 
 
 @dataclass(frozen=True)
