@@ -3,6 +3,7 @@ instance process gets its own tp and pp from the settings, and on CUDA only its 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
@@ -10,7 +11,8 @@ from serving_helpers import make_settings, wait_until
 from test_ranks import completions
 from test_up import free_port_block
 
-from distserve.local.launcher import LocalLauncher, plan_processes, process_env
+from distserve.cli.up import build_launcher
+from distserve.local.launcher import plan_processes, process_env
 from distserve.local.reshuffle import router_instances
 from distserve.local.settings import (
     instance_counts,
@@ -68,14 +70,30 @@ def test_a_plan_over_two_nodes_cannot_pin_one_machine_s_gpus():
         instance_gpu_ids(make_mixed_plan(node_of_decode="node-1"))
 
 
+def up_args(port: int = 8000) -> argparse.Namespace:
+    """The options of `distserve up` that choose what it launches."""
+    return argparse.Namespace(colocated=0, backend="process", ray_address=None,
+                              host="127.0.0.1", port=port)
+
+
+def test_up_on_cuda_gives_each_instance_process_its_gpus_and_on_the_cpu_none():
+    spec = local_spec()
+    cpu = build_launcher(up_args(), spec, "mixed", "/models/x", make_mixed_plan())
+    cpu.stop()  # never started: removes its work folder
+    assert [p.gpu_ids for p in cpu.procs] == [None] * 4
+    spec.engine.device = "cuda"
+    cuda = build_launcher(up_args(), spec, "mixed", "/models/x", make_mixed_plan())
+    cuda.stop()
+    assert [p.gpu_ids for p in cuda.procs] == [(0, 1), (2, 3), (4,), None]
+
+
 @pytest.mark.slow
-def test_a_mixed_plan_launched_locally_answers_as_one_engine(tiny_llama, deployment):
+def test_a_mixed_plan_launched_by_up_answers_as_one_engine(tiny_llama, deployment):
     reference_url, _ = deployment
     expected = completions(reference_url)
-    plan = make_mixed_plan()
-    settings = make_settings(tiny_llama, instances=instance_counts(local_spec(), plan),
-                             parallel=instance_parallel(local_spec(), plan))
-    with LocalLauncher(settings, port=free_port_block(4)) as launcher:
+    launcher = build_launcher(up_args(free_port_block(4)), local_spec(), "mixed", tiny_llama,
+                              make_mixed_plan())
+    with launcher:
         assert [(p.name, dataclasses.astuple(p.parallel)) for p in launcher.procs[:-1]] == [
             ("prefill-0", (2, 1)), ("prefill-1", (1, 2)), ("decode-0", (1, 1))]
         assert completions(launcher.url) == expected  # ties go to prefill-0, the tp2 one

@@ -72,14 +72,8 @@ def _log(message: str) -> None:
 
 def run(args) -> int:
     """Plan, launch, then serve until Ctrl-C (or run the demo)."""
-    from distserve.local.launcher import LaunchError, LocalLauncher
-    from distserve.local.settings import (
-        find_model_path,
-        instance_counts,
-        instance_gpu_ids,
-        instance_parallel,
-        serve_settings,
-    )
+    from distserve.local.launcher import LaunchError
+    from distserve.local.settings import find_model_path
     from distserve.search import NoFeasiblePlan, plan_deployment
 
     manifest = load_manifest(args.file)
@@ -121,21 +115,11 @@ def run(args) -> int:
     if isinstance(replanning, str):
         print(f"error: {replanning}", file=sys.stderr)
         return EXIT_USAGE_ERROR
-    instances = instance_counts(spec, plan, args.colocated)
-    parallel = instance_parallel(spec, plan, args.colocated)
-    settings = serve_settings(spec, instances, manifest.metadata.name, model_path, parallel,
-                              plan if not args.colocated else None)
-    backend = "ray" if args.ray_address else args.backend
-    # NOTE: Ray gives each actor its GPUs itself; child processes get the plan's.
-    is_pinned_gpus = (plan is not None and not args.colocated and backend == "process"
-                      and settings.engine.device_type == "cuda")
     try:
-        name_to_gpu_ids = instance_gpu_ids(plan) if is_pinned_gpus else None
+        launcher = build_launcher(args, spec, manifest.metadata.name, model_path, plan)
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE_ERROR
-    launcher = LocalLauncher(settings, args.host, args.port, backend, args.ray_address,
-                             name_to_gpu_ids=name_to_gpu_ids)
     _log(f"work folder {launcher.workdir} (settings and logs; removed on stop)")
     stack = contextlib.ExitStack()
     try:
@@ -158,6 +142,31 @@ def run(args) -> int:
     finally:
         stack.close()
         launcher.stop()
+
+
+def build_launcher(args, spec, name: str, model_path: str, plan):
+    """The LocalLauncher of `plan` (else the spec's placement; `--colocated N` instead):
+    each instance with its own tp and pp (a mixed plan has two shapes in a role), and, on
+    CUDA with child processes, only its plan's GPUs. SpecError when the plan cannot run
+    on this machine."""
+    from distserve.local.launcher import LocalLauncher
+    from distserve.local.settings import (
+        instance_counts,
+        instance_gpu_ids,
+        instance_parallel,
+        serve_settings,
+    )
+
+    instances = instance_counts(spec, plan, args.colocated)
+    parallel = instance_parallel(spec, plan, args.colocated)
+    settings = serve_settings(spec, instances, name, model_path, parallel,
+                              plan if not args.colocated else None)
+    backend = "ray" if args.ray_address else args.backend
+    # NOTE: Ray gives each actor its GPUs itself; child processes get the plan's.
+    is_pinned_gpus = (plan is not None and not args.colocated and backend == "process"
+                      and settings.engine.device_type == "cuda")
+    return LocalLauncher(settings, args.host, args.port, backend, args.ray_address,
+                         name_to_gpu_ids=instance_gpu_ids(plan) if is_pinned_gpus else None)
 
 
 def _shape(plan, role: str) -> str:
