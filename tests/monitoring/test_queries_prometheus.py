@@ -294,5 +294,9 @@ def check_values(results: dict[Expression, list[dict]], counted: dict[str, float
     assert set(gpus) == {2.0}  # one prefill and one decode under both plans
     reshuffles = by_where["distserve-planner.json: annotation Reshuffles"]
     assert {s["metric"]["plan_id"] for s in reshuffles} == {PLAN_A.id, PLAN_B.id}
+    # The plan table names the plan served now (the router's), not the one the kept
+    # instances started under.
+    plan_rows = by_where["distserve-planner.json: Plan A"]
+    assert {s["metric"]["plan_id"] for s in plan_rows} == {PLAN_B.id}
     goodput = sample_values(by_where["recorded distserve:goodput_rps_per_gpu:rate5m"])
     assert 0 < max(goodput) <= RATE_RPS

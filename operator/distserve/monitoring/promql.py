@@ -41,7 +41,9 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_HELD = "distserve_kv_held_requests"
 HEALTHY = "distserve_instance_healthy"
-# The plan served under (every process exports it).
+# The plan served under: every process exports the one it started under, the router the
+# one it serves now (a reshuffle rewrites its settings, kept instances keep theirs), so
+# the queries read the router's (plan_series).
 PLAN_INFO = "distserve_plan_info"  # {plan_id, prefill, decode}
 PLAN_ATTAINMENT = "distserve_plan_predicted_attainment"
 PLAN_GOODPUT = "distserve_plan_predicted_goodput_rps"
@@ -61,6 +63,11 @@ def series(name: str, matchers: str = "", **labels: str) -> str:
     """`name{matchers, label="value"...}`."""
     parts = [m for m in (matchers, *(f'{k}="{v}"' for k, v in labels.items())) if m]
     return f"{name}{{{', '.join(parts)}}}" if parts else name
+
+
+def plan_series(name: str, matchers: str = "") -> str:
+    """A plan series as the router exports it (the plan served now)."""
+    return series(name, matchers, role="router")
 
 
 def rate(name: str, matchers: str, window: str, by: str = "", **labels: str) -> str:
@@ -97,7 +104,7 @@ def goodput_rps(matchers: str, window: str, by: str = GROUP_BY) -> str:
 
 def plan_gpus(matchers: str, by: str = GROUP_BY) -> str:
     """GPUs of the plan served under (each phase counted once, not once per process)."""
-    return f"sum by ({by}) (max by ({by}, phase) ({series(PLAN_GPUS, matchers)}))"
+    return f"sum by ({by}) (max by ({by}, phase) ({plan_series(PLAN_GPUS, matchers)}))"
 
 
 def per_instance(gauge: str, matchers: str, how: str = "max", **labels: str) -> str:

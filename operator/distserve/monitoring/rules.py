@@ -121,8 +121,8 @@ def alerts() -> list[Alert]:
     pulls = f"sum by ({by}) (increase({q.KV_SECONDS}_count[5m]))"
     unhealthy = f"min by ({by}, role, instance) ({q.HEALTHY})"
     degraded = f"max by (namespace, deployment) ({q.series(q.DEPLOYMENT_PHASE, phase='Degraded')})"
-    predicted = f"max by ({by}) ({q.PLAN_ATTAINMENT})"
-    planned_rps = f"max by ({by}) ({q.PLAN_GOODPUT})"
+    predicted = f"max by ({by}) ({q.plan_series(q.PLAN_ATTAINMENT)})"
+    planned_rps = f"max by ({by}) ({q.plan_series(q.PLAN_GOODPUT)})"
     observed = attainment_record("30m")
     return [
         burn_alert("page", "DistServeAttainmentBudgetFastBurn", "fast"),

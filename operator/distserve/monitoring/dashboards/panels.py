@@ -26,8 +26,8 @@ FULL_WIDTH = 24
 REF_IDS = "ABCDEFGH"
 # A plan id that was not there a minute ago: a reshuffle began.
 PLAN_BY = "namespace, deployment, plan_id"
-NEW_PLAN = (f"max by ({PLAN_BY}) ({q.series(q.PLAN_INFO, q.DASHBOARD)}) unless "
-            f"max by ({PLAN_BY}) ({q.series(q.PLAN_INFO, q.DASHBOARD)} offset 1m)")
+NEW_PLAN = (f"max by ({PLAN_BY}) ({q.plan_series(q.PLAN_INFO, q.DASHBOARD)}) unless "
+            f"max by ({PLAN_BY}) ({q.plan_series(q.PLAN_INFO, q.DASHBOARD)} offset 1m)")
 REPLANNED = (f"sum by (namespace, deployment, action, reason) (increase("
              f"{q.series(q.REPLAN_DECISIONS, q.DASHBOARD_OPERATOR, action='replan')}[1m])) > 0")
 

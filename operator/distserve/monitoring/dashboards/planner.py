@@ -23,25 +23,25 @@ def build():
     layout.row(
         "Current plan",
         p.listing("Plan", "The plan served under: prefill and decode as tp<TP>pp<PP>x<instances>.",
-                  p.target(f"max by ({PLAN_BY}, prefill, decode) ({q.series(q.PLAN_INFO, D)})",
+                  p.target(f"max by ({PLAN_BY}, prefill, decode) ({q.plan_series(q.PLAN_INFO, D)})",
                            is_instant=True)),
         p.single("GPUs per phase", "tp x pp x instances of each phase.", "none",
-                 p.target(f"max by (phase) ({q.series(q.PLAN_GPUS, D)})", "{{phase}}")),
+                 p.target(f"max by (phase) ({q.plan_series(q.PLAN_GPUS, D)})", "{{phase}}")),
         p.single("Predicted goodput", "Requests/s the plan serves at the attainment target.",
-                 "reqps", p.target(f"max by ({BY}) ({q.series(q.PLAN_GOODPUT, D)})", "{{deployment}}")),
+                 "reqps", p.target(f"max by ({BY}) ({q.plan_series(q.PLAN_GOODPUT, D)})", "{{deployment}}")),
         height=5)
     layout.row(
         "Promise and load",
         p.graph("Load vs the plan's goodput", "Arrivals (refused included) beside the goodput the "
                 "plan was made for: a load above it is what a replan answers to.", "reqps",
                 p.target(q.rate(q.ARRIVED, D, W, BY), "arrived {{deployment}}"),
-                p.target(f"max by ({BY}) ({q.series(q.PLAN_GOODPUT, D)})", "planned {{deployment}}")),
+                p.target(f"max by ({BY}) ({q.plan_series(q.PLAN_GOODPUT, D)})", "planned {{deployment}}")),
         p.graph("Goodput: observed vs predicted", "Requests/s meeting both SLOs.", "reqps",
                 p.target(q.goodput_rps(D, W, BY), "observed {{deployment}}"),
-                p.target(f"max by ({BY}) ({q.series(q.PLAN_GOODPUT, D)})", "predicted {{deployment}}")),
+                p.target(f"max by ({BY}) ({q.plan_series(q.PLAN_GOODPUT, D)})", "predicted {{deployment}}")),
         p.graph("Attainment: observed vs predicted", "Share of arrived requests meeting both SLOs.",
                 "percentunit", p.target(q.attainment(D, W, BY), "observed {{deployment}}"),
-                p.target(f"max by ({BY}) ({q.series(q.PLAN_ATTAINMENT, D)})",
+                p.target(f"max by ({BY}) ({q.plan_series(q.PLAN_ATTAINMENT, D)})",
                          "predicted {{deployment}}")).max(1))
     layout.row(
         "Decisions",
@@ -50,6 +50,6 @@ def build():
                 p.target(f"sum by ({BY}, action, reason) (increase({q.series(q.REPLAN_DECISIONS, DO)}[{W}]))",
                          "{{action}}: {{reason}}")),
         p.graph("Plan over time", "GPUs of each phase in the plan served under; a step is a reshuffle.",
-                "none", p.target(f"max by ({PLAN_BY}, phase) ({q.series(q.PLAN_GPUS, D)})",
+                "none", p.target(f"max by ({PLAN_BY}, phase) ({q.plan_series(q.PLAN_GPUS, D)})",
                                  "{{phase}} ({{plan_id}})")))
     return layout.builder

@@ -26,7 +26,7 @@ def latency_panel(title: str, histogram: str, slo: str) -> object:
 
 def attainment_panel() -> object:
     observed = p.target(q.attainment(D, W, BY), "observed {{deployment}}")
-    predicted = p.target(f"max by ({BY}) ({q.series(q.PLAN_ATTAINMENT, D)})",
+    predicted = p.target(f"max by ({BY}) ({q.plan_series(q.PLAN_ATTAINMENT, D)})",
                          "predicted {{deployment}}")
     objective = p.target(q.attainment_objective(D, BY), "objective {{deployment}}")
     panel = p.graph("SLO attainment: observed vs predicted",
@@ -40,7 +40,7 @@ def attainment_panel() -> object:
 
 def goodput_panel() -> object:
     observed = p.target(f"{q.goodput_rps(D, W, BY)} / {q.plan_gpus(D, BY)}", "observed {{deployment}}")
-    predicted = p.target(f"max by ({BY}) ({q.series(q.PLAN_GOODPUT, D)}) / {q.plan_gpus(D, BY)}",
+    predicted = p.target(f"max by ({BY}) ({q.plan_series(q.PLAN_GOODPUT, D)}) / {q.plan_gpus(D, BY)}",
                          "predicted {{deployment}}")
     return p.graph("Goodput per GPU", "Requests per second meeting both SLOs, divided by the "
                    "plan's GPUs; predicted: the plan's goodput at the attainment target.",
@@ -55,7 +55,7 @@ def build():
         p.single("Attainment, 5m", "Observed over the last 5 minutes.", "percentunit",
                  p.target(q.attainment(D, "5m", BY), "{{deployment}}")),
         p.single("Attainment, predicted", "The plan's prediction.", "percentunit",
-                 p.target(f"max by ({BY}) ({q.series(q.PLAN_ATTAINMENT, D)})", "{{deployment}}")),
+                 p.target(f"max by ({BY}) ({q.plan_series(q.PLAN_ATTAINMENT, D)})", "{{deployment}}")),
         p.single("Goodput per GPU, 5m", "Observed over the last 5 minutes.", "reqps",
                  p.target(f"{q.goodput_rps(D, '5m', BY)} / {q.plan_gpus(D, BY)}", "{{deployment}}")),
         p.single("GPUs in the plan", "Of both phases, in the plan served under.", "none",
