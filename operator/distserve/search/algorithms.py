@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from distserve.latency import kv_capacity_tokens
 from distserve.search.candidates import ClusterShape, segment_configs
 from distserve.search.goodput import REL_TOL, Goodput
+from distserve.search.growing import grow_to_rate
 from distserve.search.trials import (
     Config,
     SearchContext,
@@ -132,25 +133,25 @@ def algorithm1(
         num_prefill, num_decode, _ = balance(prefill_rps, prefill.num_gpus, decode_rps,
                                              decode.num_gpus, cluster.num_gpus)
         num_prefill, num_decode = max(num_prefill, 1), max(num_decode, 1)
-    for _ in range(MAX_RESIZES):
-        num_prefill, num_decode = within_gpus(
-            (num_prefill, prefill, prefill_rps), (num_decode, decode, decode_rps), max_gpus)
-        unit = Unit(prefill, decode, num_prefill, num_decode, ctx.inter_node_bytes_per_s)
-        progress(f"algorithm 1: prefill tp{prefill.tp}pp{prefill.pp} x{num_prefill}, "
-                 f"decode tp{decode.tp}pp{decode.pp} x{num_decode}")
-        estimate_rps = min(num_prefill * prefill_rps, num_decode * decode_rps)
+
+    def simulate(counts: tuple[int, int]) -> Goodput:
+        unit = Unit(prefill, decode, *counts, ctx.inter_node_bytes_per_s)
+        progress(f"algorithm 1: prefill tp{prefill.tp}pp{prefill.pp} x{counts[0]}, "
+                 f"decode tp{decode.tp}pp{decode.pp} x{counts[1]}")
+        estimate_rps = min(counts[0] * prefill_rps, counts[1] * decode_rps)
         (joint,) = pmap(unit_goodput, [(ctx, unit, None, None, estimate_rps)])
-        if not rate_rps or joint.rate_rps >= rate_rps or joint.rate_rps <= 0:
-            break
+        return joint
+
+    def scaled(counts: tuple[int, int], scale: float) -> tuple[int, int]:
         # NOTE: both phases together miss more requests than either alone, so the
         # per-phase counts may fall short of the rate; grow both in proportion.
-        scale = rate_rps / joint.rate_rps
-        grown = within_gpus((math.ceil(num_prefill * scale), prefill, prefill_rps),
-                            (math.ceil(num_decode * scale), decode, decode_rps), max_gpus)
-        if grown == (num_prefill, num_decode):
-            break  # no more GPUs to grow into
-        num_prefill, num_decode = grown
-    return UnitChoice(unit, 1, joint)
+        return within_gpus((math.ceil(counts[0] * scale), prefill, prefill_rps),
+                           (math.ceil(counts[1] * scale), decode, decode_rps), max_gpus)
+
+    first = within_gpus((num_prefill, prefill, prefill_rps), (num_decode, decode, decode_rps),
+                        max_gpus)
+    counts, joint = grow_to_rate(first, simulate, scaled, rate_rps, MAX_RESIZES)[-1]
+    return UnitChoice(Unit(prefill, decode, *counts, ctx.inter_node_bytes_per_s), 1, joint)
 
 
 def within_gpus(prefill: tuple[int, Config, float], decode: tuple[int, Config, float],

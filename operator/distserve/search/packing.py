@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from distserve.search.algorithms import UnitChoice
 from distserve.search.placement import Shape, copies_that_fit
 
+MAX_FEWER_COPIES = 2  # a smaller mix has at most this many fewer copies of the first shape
+
 
 @dataclass(frozen=True)
 class Mix:
@@ -107,3 +109,29 @@ def _mixes_with(
             if copies:
                 mixes.append(Mix(((main, count), (fill, copies))))
     return mixes
+
+
+def fewer_gpu_mixes(choices: list[UnitChoice], room: Room, rate_rps: float, serving: Mix,
+                    ratio: float) -> list[Mix]:
+    """Mixes on fewer GPUs than serving that may still serve rate_rps, fewest GPUs first,
+    then the highest estimate: as many copies of its first shape or up to
+    MAX_FEWER_COPIES fewer, alone or with the fewest copies of another shape that bring
+    the estimate, scaled by ratio (what serving's simulation found of its estimate), to
+    the rate."""
+    main, count = serving.shapes[0]
+    wanted_rps = rate_rps / ratio
+    mixes: set[Mix] = set()
+    for fewer in range(max(1, count - MAX_FEWER_COPIES), count + 1):
+        left_rps = wanted_rps - fewer * main.goodput.rate_rps
+        if left_rps <= 0:
+            mixes.add(Mix(((main, fewer),)))
+            continue
+        placed = [(main.unit, main.inter_op, fewer)]
+        for fill in choices:
+            if fill is main or fill.goodput.rate_rps <= 0:
+                continue
+            copies = math.ceil(left_rps / fill.goodput.rate_rps)
+            if room.fit(placed, fill, copies) == copies:
+                mixes.add(Mix(((main, fewer), (fill, copies))))
+    smaller = [mix for mix in mixes if mix.num_gpus < serving.num_gpus]
+    return sorted(smaller, key=lambda mix: (mix.num_gpus, -mix.estimate_rps))

@@ -31,9 +31,9 @@ from distserve.search.replicas import whole_unit
 from distserve.search.sizing import (
     NoFeasiblePlan,
     Sizing,
+    assemble_plan,
     check_goodput,
     high_affinity_plan,
-    latency_at,
     low_affinity_plan,
 )
 from distserve.search.trials import SearchContext, unit_goodput
@@ -224,14 +224,8 @@ def _fixed(pmap, ctx, spec, names, per_node, rate) -> Plan:
     (goodput,) = pmap(unit_goodput, [(ctx, unit)])
     choice = UnitChoice(unit, 1, goodput)
     check_goodput(choice, ctx)
-    stats, attained = latency_at(pmap, ctx, unit, goodput.rate_rps)
-    return Plan(
-        algorithm="fixed", model=ctx.model, accelerator=ctx.accelerator,
-        prefill=prefill, decode=decode, segments=segments, goodput_rps=goodput.rate_rps,
-        attainment=attained, latency=stats, ttft_slo_s=ctx.slo.ttft_s,
-        tpot_slo_s=ctx.slo.tpot_s, attainment_target=ctx.slo.attainment,
-        rate_rps=rate, latency_source=ctx.latency.describe(),
-    )
+    return assemble_plan("fixed", pmap, ctx, ((prefill,), (decode,)), unit, segments,
+                         goodput.rate_rps, rate)
 
 
 def _replace(plan: Plan, **changes) -> Plan:

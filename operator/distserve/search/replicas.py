@@ -5,26 +5,38 @@ many instances share the bursts of one stream of arrivals (better than each copy
 alone), while the router keeps a prefilled request on its prefill's node (low node
 affinity), where it queues while another node's decode instances have room (worse;
 KV crosses the network only from a node with no decode instance). So the copies
-`packing` chose are placed and simulated together, and chosen again for the rate
-scaled by how far the simulation fell from the estimate: larger while they fall short
-of `workload.rateRps`, smaller while fewer GPUs may still serve it, until no other mix
-fits the cluster and the GPU budget. The fewest-GPU mix that serves the rate wins;
-when none does, the one that serves the most, and it says why it is short.
+`packing` chose are placed and simulated together, and chosen again, larger, for the
+rate scaled by how far the simulation fell short of `workload.rateRps` (`growing`).
+Once a mix serves the rate, the mixes on fewer GPUs (as many copies of its first shape
+or fewer, each alone or with a filler of another shape) are tried, fewest GPUs first,
+each by one whole-deployment trial at the rate. The fewest-GPU mix that serves the
+rate wins, then the one of most goodput; when none serves it, the one that serves the
+most, and it says why it is short.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import groupby
 
 from distserve.plan import PhaseConfig, SegmentPlacement
 from distserve.search.algorithms import UnitChoice
 from distserve.search.goodput import Goodput
-from distserve.search.packing import Mix, Room, choose_mix
+from distserve.search.growing import grow_to_rate
+from distserve.search.packing import Mix, Room, choose_mix, fewer_gpu_mixes
 from distserve.search.placement import pair_links, place_shapes
-from distserve.search.trials import Config, Instances, SearchContext, Unit, unit_goodput
+from distserve.search.trials import (
+    Config,
+    Instances,
+    SearchContext,
+    Unit,
+    meets_target_at,
+    unit_goodput,
+)
 
-MAX_RESIZES = 4  # whole-deployment simulations while resizing the copies to the rate
+MAX_RESIZES = 4  # whole-deployment simulations while growing the copies to the rate
+MAX_FEWER_TRIALS = 8  # whole-deployment trials of mixes on fewer GPUs, once one serves
 
 
 @dataclass(frozen=True)
@@ -74,50 +86,73 @@ def replicate(
 ) -> Replicated | None:
     """Copies of the choices' shapes serving rate_rps (None: the most the room holds),
     placed and simulated together; None when no copy fits at all."""
-    mix = choose_mix(choices, room, rate_rps)
-    best: Replicated | None = None
-    tried: set[Mix] = set()
-    for _ in range(MAX_RESIZES):
-        if mix is None or mix in tried:
-            break
-        tried.add(mix)
-        found = _simulated(pmap, ctx, mix, room)
+    found: list[Replicated] = []
+
+    def simulate(mix: Mix) -> Goodput:
+        found.append(_simulated(pmap, ctx, mix, room))
         progress(f"replicas: {mix.describe()} ({mix.num_gpus} GPUs) serve "
-                 f"{found.goodput.rate_rps:.2f} req/s"
+                 f"{found[-1].goodput.rate_rps:.2f} req/s"
                  + (f" (target {rate_rps} req/s)" if rate_rps else ""))
-        best = found if best is None or _is_better(found, best, rate_rps) else best
-        if not rate_rps or found.goodput.rate_rps <= 0:
-            break
+        return found[-1].goodput
+
+    def scaled(mix: Mix, scale: float) -> Mix | None:
         # NOTE: the estimate that would serve the rate, at this mix's ratio of simulated
         # to estimated goodput
-        mix = choose_mix(choices, room, rate_rps * mix.estimate_rps / found.goodput.rate_rps)
-        if mix is not None and best.goodput.rate_rps >= rate_rps and mix.num_gpus >= best.mix.num_gpus:
-            break  # serving already, and no fewer GPUs to try
-    if best is None:
+        return choose_mix(choices, room, mix.estimate_rps * scale)
+
+    grow_to_rate(choose_mix(choices, room, rate_rps), simulate, scaled, rate_rps, MAX_RESIZES)
+    if not found:
         return None
-    is_limited = bool(rate_rps) and best.goodput.rate_rps < rate_rps
-    return Replicated(best.mix, best.whole, best.segments, best.goodput, is_limited)
+    serving = [r for r in found if rate_rps and r.goodput.rate_rps >= rate_rps]
+    if not serving:
+        best = max(found, key=lambda r: (r.goodput.rate_rps, -r.mix.num_gpus))
+        return replace(best, is_limited=bool(rate_rps))
+    best = min(serving, key=lambda r: (r.mix.num_gpus, -r.goodput.rate_rps))
+    return _on_fewer_gpus(pmap, ctx, choices, room, rate_rps, best, progress) or best
 
 
-def _is_better(found: Replicated, best: Replicated, rate_rps: float | None) -> bool:
-    """Serving the rate on fewer GPUs, else serving more."""
-    serves, served = (rate_rps is not None and r.goodput.rate_rps >= rate_rps
-                      for r in (found, best))
-    if serves and served:
-        return found.mix.num_gpus < best.mix.num_gpus
-    if serves or served:
-        return serves
-    return found.goodput.rate_rps > best.goodput.rate_rps
+def _on_fewer_gpus(pmap: Callable, ctx: SearchContext, choices: list[UnitChoice], room: Room,
+                   rate_rps: float, serving: Replicated,
+                   progress: Callable[[str], None]) -> Replicated | None:
+    """The mix of fewest GPUs, then most goodput, that serves rate_rps on fewer GPUs than
+    serving (`packing.fewer_gpu_mixes`), each judged by one whole-deployment trial at the
+    rate; None when none does.
+
+    NOTE: a copy too many overshoots by a whole unit (8 x 24 GPUs serving 153 req/s where
+    7 serve 109 and 120 are asked); a filler of a smaller shape closes the gap instead.
+    """
+    ratio = serving.goodput.rate_rps / serving.mix.estimate_rps
+    candidates = fewer_gpu_mixes(choices, room, rate_rps, serving.mix, ratio)
+    for num_gpus, group in groupby(candidates[:MAX_FEWER_TRIALS], key=lambda mix: mix.num_gpus):
+        drafts = [_placed(ctx, mix, room) for mix in group]
+        passes = pmap(meets_target_at, [(ctx, draft.whole, rate_rps) for draft in drafts])
+        for draft, ok in zip(drafts, passes, strict=True):
+            progress(f"replicas: {draft.mix.describe()} ({num_gpus} GPUs) "
+                     f"{'meet' if ok else 'miss'} the SLOs at {rate_rps} req/s")
+        winners = [draft for draft, ok in zip(drafts, passes, strict=True) if ok]
+        if winners:
+            goodputs = pmap(unit_goodput, [(ctx, w.whole, None, None, rate_rps) for w in winners])
+            best = max(zip(goodputs, winners, strict=True), key=lambda pair: pair[0].rate_rps)
+            progress(f"replicas: {best[1].mix.describe()} ({num_gpus} GPUs) serve "
+                     f"{best[0].rate_rps:.2f} req/s (target {rate_rps} req/s)")
+            return replace(best[1], goodput=best[0])
+    return None
 
 
-def _simulated(pmap: Callable, ctx: SearchContext, mix: Mix, room: Room) -> Replicated:
-    """The mix placed, and its goodput simulated as one deployment."""
+def _placed(ctx: SearchContext, mix: Mix, room: Room) -> Replicated:
+    """The mix placed, its instances linked by where their segments sit; goodput unknown."""
     segments = place_shapes(room.node_names, room.gpus_per_node, mix.placed())
     draft = Replicated(mix, Instances((), (), 0.0), segments, Goodput(0.0, 0.0, 0), False)
     links = pair_links(segments, ctx.intra_node_bytes_per_s, ctx.inter_node_bytes_per_s)
     whole = whole_instances(draft.groups("prefill"), draft.groups("decode"), links)
+    return replace(draft, whole=whole)
+
+
+def _simulated(pmap: Callable, ctx: SearchContext, mix: Mix, room: Room) -> Replicated:
+    """The mix placed, and its goodput simulated as one deployment."""
+    draft = _placed(ctx, mix, room)
     if mix.is_single_unit:
         goodput = mix.shapes[0][0].goodput
     else:
-        (goodput,) = pmap(unit_goodput, [(ctx, whole, None, None, mix.estimate_rps)])
-    return Replicated(mix, whole, segments, goodput, False)
+        (goodput,) = pmap(unit_goodput, [(ctx, draft.whole, None, None, mix.estimate_rps)])
+    return replace(draft, goodput=goodput)

@@ -114,23 +114,33 @@ def _too_large(unit: Unit, sizing: Sizing) -> NoFeasiblePlan:
                           f"within {sizing.limit}")
 
 
-def _plan(algorithm, pmap, ctx: SearchContext, groups, whole: Unit | Instances, segments,
-          goodput_rps: float, sizing: Sizing) -> Plan:
+def assemble_plan(algorithm, pmap, ctx: SearchContext, groups, whole: Unit | Instances,
+                  segments, goodput_rps: float, rate_rps: float | None,
+                  limited_by: str = "") -> Plan:
     """The plan of (prefill groups, decode groups) placed on segments, with the latencies
-    of its instances simulated together at goodput_rps."""
+    of its instances simulated together at goodput_rps: the one place a Plan is made."""
     (prefill, *extra_prefill), (decode, *extra_decode) = groups
     stats, attained = latency_at(pmap, ctx, whole, goodput_rps)
-    rate = sizing.rate_rps
     return Plan(
         algorithm=algorithm, model=ctx.model, accelerator=ctx.accelerator,
         prefill=prefill, decode=decode, segments=segments,
         goodput_rps=goodput_rps, attainment=attained, latency=stats,
         ttft_slo_s=ctx.slo.ttft_s, tpot_slo_s=ctx.slo.tpot_s,
-        attainment_target=ctx.slo.attainment, rate_rps=rate,
+        attainment_target=ctx.slo.attainment, rate_rps=rate_rps,
         latency_source=ctx.latency.describe(),
         extra_prefill=tuple(extra_prefill), extra_decode=tuple(extra_decode),
-        limited_by=sizing.limit if (rate and goodput_rps < rate) or sizing.is_capacity else "",
+        limited_by=limited_by,
     )
+
+
+def _plan(algorithm, pmap, ctx: SearchContext, groups, whole: Unit | Instances, segments,
+          goodput_rps: float, sizing: Sizing) -> Plan:
+    """The sized plan, naming what limits it where that kept it below the rate (or where
+    it is the capacity)."""
+    rate = sizing.rate_rps
+    is_limited = (rate and goodput_rps < rate) or sizing.is_capacity
+    return assemble_plan(algorithm, pmap, ctx, groups, whole, segments, goodput_rps, rate,
+                         sizing.limit if is_limited else "")
 
 
 def check_goodput(choice: UnitChoice, ctx: SearchContext) -> None:
