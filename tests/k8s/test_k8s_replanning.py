@@ -130,6 +130,22 @@ async def test_a_replan_is_recorded_and_reshuffled_to(kmock, monkeypatch):
         events = [r.data for r in list(kmock) if r.method == "POST" and r.resource is not None
                   and r.resource.plural == "events" and (r.data or {}).get("reason") == "Replanned"]
         assert len(events) == 1 and "ratio" in events[0]["message"]
+        assert len(status["replanning"]["state"]["history"]) >= 2
+    finally:
+        await stop(runner)
+    # a restarted operator takes the decision state from the status: its first decision
+    # is not "the first" again (the fake decide replans only on an empty history)
+    runner = KopfRunner(OPERATOR_ARGS, timeout=30).__enter__()
+    try:
+        seen = len(status["replanning"]["history"])
+
+        async def decided_after_restart():
+            found = await status_of(api, "opt")
+            history = (found.get("replanning") or {}).get("history") or []
+            return found if len(history) > seen else None
+        status = await wait_for(decided_after_restart, what="a decision after the restart")
+        assert status["replanning"]["history"][seen]["action"] == "keep"
+        assert status["appliedPlanId"] == new_plan.plan_id
     finally:
         await stop(runner)
     after = REGISTRY.get_sample_value("distserve_replan_decisions_total",

@@ -14,8 +14,9 @@ worker thread (as planning does), and the outcome goes to
   Prometheus cannot be read (no decision then, and no crash).
 A replan is shown as the plan (`status.plan`) and applied as a reshuffle, or waits for
 the approval annotation when `autoApply` is false; `advisory` only recommends. The
-decision state (reference window, hold, cooldown, latency correction) lives in the
-operator's memory: a restart begins a fresh hold.
+decision state (reference window, hold, cooldown, latency correction) is written to
+`status.replanning.state` with every decision, so a restarted operator goes on with
+the hold and cooldown it had instead of starting them afresh.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ async def replan_round(api: ApiClient, body: Any, memo: Any, lock: asyncio.Lock)
                                                          f"no decision: {exc}")])
         return
     try:
-        decision = await decide(api, spec, plan, settings, observation, memo)
+        decision = await decide(api, spec, plan, settings, observation, memo, status)
     except (ValueError, ArithmeticError) as exc:  # the search could not judge this window
         metrics.count_decision(owner, "no-decision", "evaluator-failed")
         await reconciling.write_status(api, owner, {}, [(OBSERVING, False, "EvaluatorFailed",
@@ -133,15 +134,17 @@ async def replan_round(api: ApiClient, body: Any, memo: Any, lock: asyncio.Lock)
 
 
 async def decide(api: ApiClient, spec: Any, plan: Any, settings: Any, observation: Observation,
-                 memo: Any) -> deciding.Decision:
-    """The pure decision, its search and simulations in a worker thread."""
+                 memo: Any, status: dict[str, Any]) -> deciding.Decision:
+    """The pure decision, its search and simulations in a worker thread; the state comes
+    from this operator's memory, else (after a restart) from the status."""
     from distserve.analyzer.replan import SearchEvaluator  # pulls the search in
 
     shaped, _ = await planning.shape_spec(api, spec)
     evaluator = SearchEvaluator(shaped, node_names=shaped.cluster.node_names,
                                 gpus_per_node=shaped.cluster.gpus_per_node,
                                 max_gpus=settings.max_gpus)
-    state = memo.get("replan_state") or deciding.DecisionState()
+    state = memo.get("replan_state") or deciding.DecisionState.from_dict(
+        (status.get("replanning") or {}).get("state"))
     decision = await asyncio.to_thread(deciding.decide, observation, plan, settings, state, evaluator)
     memo["replan_state"] = decision.state
     return decision
@@ -155,7 +158,8 @@ async def record(api: ApiClient, body: Any, owner: naming.Owner, status: dict[st
     history = [*((status.get("replanning") or {}).get("history") or []),
                {k: summary[k] for k in ("time", "action", "kind", "reason")}][-HISTORY_LENGTH:]
     fields = {"replanning": {"lastObservation": observation_summary(observation),
-                             "lastDecision": summary, "history": history}}
+                             "lastDecision": summary, "history": history,
+                             "state": decision.state.to_dict()}}
     if decision.action in ("replan", "recommend"):
         reason = "Replanned" if decision.action == "replan" else "ReplanRecommended"
         kopf.info(body, reason=reason, message=f"{decision.kind}: {decision.reason}")
