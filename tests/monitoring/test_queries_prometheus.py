@@ -52,7 +52,7 @@ VARIABLES = {"$namespace": NAMESPACE, "$deployment": DEPLOYMENT, "$model": MODEL
 # the same shape does.
 PLAN_A = PlanInfo("plan-a", 0.92, 6.0, "tp1pp1x1", "tp1pp1x1")
 PLAN_B = PlanInfo("plan-b", 0.95, 9.0, "tp1pp1x1", "tp1pp1x1")
-KV_CACHE_BYTES = 64 << 20  # a few hundred short requests; the default sizes for the context
+KV_CACHE_BYTES = 128 << 20  # ample for these short requests (the default, 1 GiB here, takes seconds to allocate)
 RATE_RPS = 1.5
 NUM_REQUESTS = 32  # then a quarter as many under the new plan
 STEP_S = 2  # of range queries (the scrape and rule interval is 1 s)
