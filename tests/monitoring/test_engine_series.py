@@ -54,3 +54,15 @@ def test_attainment_objective_is_exported_when_given_and_replaced():
     assert list(samples(metrics, "distserve_slo_attainment_objective").values()) == [0.99]
     metrics.set_slo(2.0, 0.1)  # settings without one: the rules' default applies
     assert samples(metrics, "distserve_slo_attainment_objective") == {}
+
+
+def test_a_process_exports_its_spec_s_attainment_objective():
+    from distserve.local.settings import serve_settings
+    from distserve.spec import load_manifest
+    from distserve_engine.server.assembly import build_metrics
+
+    spec = load_manifest("examples/local.yaml").spec
+    spec = spec.model_copy(update={"slo": spec.slo.model_copy(update={"attainment": 0.99})})
+    settings = serve_settings(spec, {"prefill": 1, "decode": 1}, "local", "/models/m")
+    metrics = build_metrics(settings, "router", "router-0")
+    assert list(samples(metrics, "distserve_slo_attainment_objective").values()) == [0.99]

@@ -50,6 +50,7 @@ def test_every_part_is_read_into_its_type_and_written_back_the_same():
     ({"parallel": [{"tp": 2}]}, r"parallel must be an object keyed by instance name"),
     ({"peers": {"decode": [{"name": "d0"}]}}, r"peers\.decode\[0\] needs a url"),
     ({"slo": {"ttft_s": -1}}, r"slo\.ttft_s must be a number > 0, got -1"),
+    ({"slo": {"attainment": 1.5}}, r"slo\.attainment must be a number in \(0, 1\], got 1\.5"),
     ({"slo": {"ttft": 1}}, r"slo has unknown keys \['ttft'\]"),
     ({"instances": {"decode": -1}}, r"instances\.decode must be an integer >= 0, got -1"),
     ({"engine": {"model": "/m", "blocksize": 8}}, r"engine has unknown keys \['blocksize'\]"),
@@ -73,7 +74,7 @@ def test_the_local_builder_gives_the_spec_s_engine_slos_and_shape():
     settings = serve_settings(spec, {"prefill": 1, "decode": 1}, "local", "/models/smollm2",
                               {"prefill": Parallelism(1, 1), "decode": Parallelism(1, 1)})
     assert settings.engine.model == "/models/smollm2" and settings.engine.device == "cpu"
-    assert settings.slo == Slo(spec.slo.ttft_seconds, spec.slo.tpot_seconds)
+    assert settings.slo == Slo(spec.slo.ttft_seconds, spec.slo.tpot_seconds, spec.slo.attainment)
     assert ServeSettings.from_dict(settings.to_dict()) == settings
 
 

@@ -60,7 +60,7 @@ def build_metrics(settings: ServeSettings, role: str, name: str) -> ServingMetri
     metrics = ServingMetrics(settings.deployment, role, name, settings.model_name,
                              settings.engine.max_model_len)
     metrics.set_plan(**settings.plan_metrics())
-    metrics.set_slo(settings.ttft_slo_s, settings.tpot_slo_s)
+    settings.export_slo(metrics)
     return metrics
 
 

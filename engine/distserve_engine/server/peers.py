@@ -36,7 +36,7 @@ def apply_settings(router: Router, settings: ServeSettings,
     router.set_peers(make_clients(settings.peers))
     if router.metrics is not None:  # a replan names a new plan in the same file
         router.metrics.set_plan(**settings.plan_metrics())
-        router.metrics.set_slo(settings.ttft_slo_s, settings.tpot_slo_s)
+        settings.export_slo(router.metrics)
 
 
 class PeerWatcher:

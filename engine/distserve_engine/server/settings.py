@@ -86,10 +86,12 @@ class PlanInfo:
 
 @dataclass(frozen=True)
 class Slo:
-    """The deployment's latency targets, in seconds (None: no target)."""
+    """The deployment's latency targets, in seconds (None: no target), and the share of
+    requests that must meet them (the attainment objective the alerts' burn rates use)."""
 
     ttft_s: float | None = None
     tpot_s: float | None = None
+    attainment: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("ttft_s", "tpot_s"):
@@ -97,6 +99,10 @@ class Slo:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or value <= 0):
                 raise ValueError(f"serve settings: slo.{name} must be a number > 0, got {value!r}")
+        value = self.attainment
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value <= 1):
+            raise ValueError(f"serve settings: slo.attainment must be a number in (0, 1], got {value!r}")
 
     @classmethod
     def from_dict(cls, doc: Any) -> Slo:
@@ -234,6 +240,10 @@ class ServeSettings:
     @property
     def tpot_slo_s(self) -> float | None:
         return self.slo.tpot_s
+
+    def export_slo(self, metrics: Any) -> None:
+        """Export the objectives on `metrics` (a `ServingMetrics`)."""
+        metrics.set_slo(self.slo.ttft_s, self.slo.tpot_s, self.slo.attainment)
 
     def plan_metrics(self) -> dict[str, Any]:
         """The arguments of `ServingMetrics.set_plan` for this plan."""

@@ -129,7 +129,7 @@ def serve_settings(spec: DistServeDeploymentSpec, instances: dict[str, int], dep
         max_decode_batch=spec.planner.max_decode_batch,
         max_waiting_requests=DEFAULT_MAX_WAITING_PER_PREFILL * num_prefill,
         default_max_tokens=256,
-        slo=Slo(spec.slo.ttft_seconds, spec.slo.tpot_seconds),
+        slo=Slo(spec.slo.ttft_seconds, spec.slo.tpot_seconds, spec.slo.attainment),
         instances=dict(instances),
         parallel=dict(parallel or {}),
         plan=plan_settings(plan) if plan is not None else None,
