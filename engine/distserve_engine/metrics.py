@@ -54,12 +54,16 @@ SHAPE_PATTERN = re.compile(r"tp(\d+)pp(\d+)x(\d+)")  # a phase's shape in the pl
 
 
 def shape_num_gpus(shape: str) -> int | None:
-    """GPUs of a phase shape `tp<TP>pp<PP>x<instances>`; None when it is not one."""
-    match = SHAPE_PATTERN.fullmatch(shape)
-    if match is None:
-        return None
-    tp, pp, num_instances = (int(g) for g in match.groups())
-    return tp * pp * num_instances
+    """GPUs of a phase shape `tp<TP>pp<PP>x<instances>`, or of a mixed plan's groups joined
+    by `+` (`tp2pp1x1+tp1pp2x1`); None when it is not one."""
+    total = 0
+    for group in shape.split("+"):
+        match = SHAPE_PATTERN.fullmatch(group)
+        if match is None:
+            return None
+        tp, pp, num_instances = (int(g) for g in match.groups())
+        total += tp * pp * num_instances
+    return total
 
 
 def length_buckets_tokens(max_model_len: int | None = None) -> tuple[int, ...]:

@@ -33,7 +33,8 @@ def test_plan_gpus_per_phase_follow_the_plan_served_under():
 
 
 @pytest.mark.parametrize(("shape", "num_gpus"), [
-    ("tp1pp1x1", 1), ("tp8pp4x2", 64), ("", None), ("tp2pp1", None), ("x3", None)])
+    ("tp1pp1x1", 1), ("tp8pp4x2", 64), ("tp2pp1x1+tp1pp2x1", 4), ("", None), ("tp2pp1", None),
+    ("x3", None), ("tp1pp1x1+", None)])
 def test_shape_num_gpus(shape, num_gpus):
     assert shape_num_gpus(shape) == num_gpus
 
