@@ -11,9 +11,10 @@ from distserve.search import build_context, plan_deployment
 from distserve.search.algorithms import UnitChoice
 from distserve.search.curves import plan_unit
 from distserve.search.goodput import Goodput
-from distserve.search.packing import Room, choose_mix
+from distserve.search.packing import Mix, Room, choose_mix, fewer_gpu_mixes
 from distserve.search.placement import place_shapes
-from distserve.search.trials import Config, Unit, run_unit
+from distserve.search.replicas import replicate
+from distserve.search.trials import Config, Unit, run_unit, unit_goodput
 
 
 def make_choice(gpus_per_node: int, goodput_rps: float, nodes: int = 1) -> UnitChoice:
@@ -72,6 +73,16 @@ def test_the_gpu_budget_bounds_the_copies():
     mix = choose_mix([main, small], room(max_gpus=20), 100.0)
     assert mix.num_gpus <= 20
     assert mix.shapes[0] == (main, 3)
+
+
+def test_fewer_copies_with_a_filler_are_tried_before_a_copy_too_many():
+    main, small = make_choice(6, 6.0), make_choice(2, 1.6)
+    serving = Mix(((main, 5),))  # 30 GPUs estimated at 30 req/s, for a rate of 26
+    tried = fewer_gpu_mixes([main, small], room(nodes=8), 26.0, serving, ratio=1.0)
+    assert tried == [Mix(((main, 4), (small, 2))), Mix(((main, 3), (small, 5)))]
+    assert all(mix.num_gpus == 28 and mix.estimate_rps >= 26.0 for mix in tried)
+    # simulated at 90% of the estimate, the fillers that make up for it take more GPUs
+    assert fewer_gpu_mixes([main, small], room(nodes=8), 26.0, serving, ratio=0.9) == []
 
 
 def test_nothing_fits_a_node_too_small():
@@ -141,3 +152,39 @@ def test_plans_of_one_shape_keep_their_ids_and_documents():
     old = {k: v for k, v in doc.items() if k not in ("extra_prefill", "extra_decode", "limited_by")}
     assert Plan.from_dict(old).plan_id == plan.plan_id == doc["id"]
     assert _shapes(plan)["prefill"] == [(plan.prefill.tp, plan.prefill.pp, plan.prefill.instances)]
+
+
+def _unit_choice(ctx, num_prefill: int, num_decode: int) -> UnitChoice:
+    """A one-node unit of tp1 instances, its goodput simulated."""
+    unit = Unit(Config(1, 1), Config(1, 1), num_prefill, num_decode, ctx.intra_node_bytes_per_s)
+    return UnitChoice(unit, 1, unit_goodput(ctx, unit))
+
+
+def _inline(fn, arg_tuples):
+    return [fn(*args) for args in arg_tuples]
+
+
+def test_a_mixed_plan_serves_a_rate_neither_shape_alone_can():
+    # 2 nodes x 5 GPUs: a 3-GPU unit (1 prefill, 2 decode) fits once per node and a 2-GPU
+    # one (1 + 1) twice, so each shape alone strands GPUs that the two together fill
+    spec = make_spec(cluster={"nodes": 2, "gpusPerNode": 5})
+    ctx = build_context(spec)
+    wide, narrow = _unit_choice(ctx, 1, 2), _unit_choice(ctx, 1, 1)
+    nodes = room(nodes=2, gpus_per_node=5)
+    rate_rps = 28.0
+    alone = [replicate(_inline, ctx, [shape], rate_rps, nodes, _silent) for shape in (wide, narrow)]
+    assert [r.mix.num_gpus for r in alone] == [6, 8]
+    assert all(r.is_limited and r.goodput.rate_rps < rate_rps for r in alone)
+    mixed = replicate(_inline, ctx, [wide, narrow], rate_rps, nodes, _silent)
+    assert not mixed.is_limited and mixed.goodput.rate_rps >= rate_rps
+    assert {choice for choice, _ in mixed.mix.shapes} == {wide, narrow}
+    assert mixed.mix.num_gpus <= 10
+    # the deployment simulated whole, as planned, meets the SLOs at the rate
+    result = run_unit(ctx, mixed.whole, rate_rps, None)
+    assert result.attainment(ctx.slo) >= ctx.slo.attainment
+    for shape in alone:
+        assert run_unit(ctx, shape.whole, rate_rps, None).attainment(ctx.slo) < ctx.slo.attainment
+
+
+def _silent(_: str) -> None:
+    pass
