@@ -47,9 +47,14 @@ class Mix:
         return [(choice.unit, choice.inter_op, copies) for choice, copies in self.shapes]
 
     def describe(self) -> str:
-        """e.g. "8 x 24-GPU unit + 4 x 16-GPU unit"."""
-        return " + ".join(f"{copies} x {choice.unit.num_gpus}-GPU unit"
-                          for choice, copies in self.shapes)
+        """e.g. "8 x 24-GPU unit (prefill tp1pp8 x1, decode tp4pp4 x1) + 4 x 16-GPU unit
+        (...)": two shapes may take as many GPUs."""
+        return " + ".join(
+            f"{copies} x {c.unit.num_gpus}-GPU unit (prefill tp{c.unit.prefill.tp}"
+            f"pp{c.unit.prefill.pp} x{c.unit.n_prefill}, decode tp{c.unit.decode.tp}"
+            f"pp{c.unit.decode.pp} x{c.unit.n_decode})"
+            for c, copies in self.shapes
+        )
 
 
 @dataclass(frozen=True)
