@@ -9,7 +9,7 @@ sample of the application the mix draws.
 
 An observation is built as the analyzer builds one from Prometheus: arrivals counted,
 lengths only as the engine's histogram buckets (fitted by `analyzer.fit`), the
-burstiness and the recent rate from sub-window counts, the latencies from what the deployment served.
+burstiness from sub-window counts, the window's last third as `recent`, the latencies from what the deployment served.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 
 from distserve.analyzer.fit import fit_lengths
 from distserve.analyzer.observation import Observation
-from distserve.analyzer.observe import recent_rate
+from distserve.analyzer.observe import RECENT_SHARE
 from distserve.simulator import SLO
 from distserve.workload import load_lengths
 from distserve_engine.metrics import length_buckets_tokens
@@ -123,12 +123,19 @@ def observe(
             attainment=float((ttft_ok & tpot_ok).mean()),
             ttft_p90_s=_p90(served.ttft_s), tpot_p90_s=_p90(served.tpot_s),
         )
+    recent_s = span_s / RECENT_SHARE
+    recent = traffic.between(end_s - recent_s, end_s)
     return Observation(
         end_s=end_s, window_s=span_s, num_requests=len(index),
         arrival_rate_rps=len(index) / span_s, arrival_cv=cv,
-        recent_rate_rps=recent_rate(counts, SUB_WINDOW_S),
         prompt=fit_lengths(*histogram(traffic.prompt_tokens[index], max_model_len)),
         output=fit_lengths(*histogram(traffic.output_tokens[index], max_model_len)),
+        recent=Observation(
+            end_s=end_s, window_s=recent_s, num_requests=len(recent),
+            arrival_rate_rps=len(recent) / recent_s, arrival_cv=cv,
+            prompt=fit_lengths(*histogram(traffic.prompt_tokens[recent], max_model_len)),
+            output=fit_lengths(*histogram(traffic.output_tokens[recent], max_model_len)),
+        ),
         **fields,
     )
 

@@ -112,7 +112,8 @@ def test_a_rising_rate_is_sized_from_the_window_recent_part():
     state = DecisionState(reference=make_observation(900, 4.0, seed=1))
     flat = make_observation(1200, 4.0, seed=2)
     assert decide(flat, make_plan(copies=2), make_settings(), state, evaluator).action == "keep"
-    rising = replace(flat, recent_rate_rps=8.0)  # 1.2 x 8 req/s is more than 16 GPUs hold
+    recent = replace(flat, window_s=300.0, num_requests=2400, arrival_rate_rps=8.0)
+    rising = replace(flat, recent=recent)  # 1.2 x 8 req/s is more than 16 GPUs hold
     decision = decide(rising, make_plan(copies=2), make_settings(), state, evaluator)
     assert decision.numbers.sized_rate_rps == pytest.approx(9.6)
     assert decision.action == "replan" and decision.plan.num_gpus > 16
@@ -246,3 +247,16 @@ def test_the_state_survives_a_round_trip_through_json():
     assert (decide(after, plan, make_settings(), restored, evaluator).reason
             == decide(after, plan, make_settings(), state, evaluator).reason)
     assert "cooldown (300 s left)" in decide(after, plan, make_settings(), restored, evaluator).reason
+
+
+def test_a_shift_under_way_is_planned_for_where_the_mix_is_now():
+    evaluator = FakeEvaluator()  # 32 GPUs of the short shape hold 16 req/s, of long prompts 5.3
+    state = DecisionState(reference=make_observation(900, 5.0, seed=1))
+    window = make_observation(1200, 5.0, seed=2)  # chatbot on average over the window
+    ramping = replace(window, recent=make_observation(1200, 5.0, "summarization", window_s=300.0,
+                                                       seed=3))  # long prompts in its last third
+    steady = replace(window, recent=make_observation(1200, 5.0, window_s=300.0, seed=4))
+    assert decide(steady, make_plan(copies=4), make_settings(), state, evaluator).action == "keep"
+    decision = decide(ramping, make_plan(copies=4), make_settings(), state, evaluator)
+    assert decision.action == "replan" and shape_of(decision.plan) == LONG_SHAPE
+    assert decision.numbers.predicted_attainment < 0.9  # judged on the long prompts

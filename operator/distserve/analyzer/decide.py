@@ -9,7 +9,8 @@ once per interval and pass back the `DecisionState` it returns. In order:
    reshuffle fell inside it) are blended into the running correction;
 3. the current plan is simulated on the observed workload at the sized rate: the
    window's rate or, when higher, its recent rate (the last third of the window, where
-   a rising rate is now), times `headroom`; a trigger is a predicted or observed miss
+   a rising rate is now), times `headroom`; when the last third's length mix shifted
+   from the window's (a shift under way), its lengths are the workload; a trigger is a predicted or observed miss
    of the attainment target, or a shift of rate or length mix against the window the
    plan was last checked for (a predicted miss counts only when the model also
    reproduces the observed attainment);
@@ -153,7 +154,8 @@ def _observation_from_dict(data: Mapping[str, Any] | None) -> Observation | None
 
     phases = {name: PhaseObservation(**values) for name, values in (data.get("phases") or {}).items()}
     return Observation(**{**data, "prompt": fit(data.get("prompt")),
-                          "output": fit(data.get("output")), "phases": phases})
+                          "output": fit(data.get("output")), "phases": phases,
+                          "recent": _observation_from_dict(data.get("recent"))})
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,8 @@ def decide(
     state = replace(state, correction=_corrected(state, plan, observation, settings, evaluator))
     sized_rps = max(observation.arrival_rate_rps, observation.recent_rate_rps or 0.0) * (
         settings.headroom)
-    predicted = evaluator.predict(plan, observation, sized_rps, state.correction)
+    ahead = _ahead(observation, thresholds)
+    predicted = evaluator.predict(plan, ahead, sized_rps, state.correction)
     numbers = replace(
         numbers, sized_rate_rps=sized_rps, predicted_attainment=predicted.attainment,
         prefill_factor=state.correction.prefill_factor,
@@ -224,20 +227,34 @@ def decide(
         return _decision("keep", f"{trigger}, seen for {now_s - since_s:.0f} s of the "
                          f"{settings.hold_seconds:.0f} s hold", numbers, state, observation,
                          verdict=verdict)
-    return _choose(observation, plan, settings, state, evaluator, verdict, miss, numbers)
+    return _choose(observation, ahead, plan, settings, state, evaluator, verdict, miss, numbers)
+
+
+def _ahead(observation: Observation, thresholds: ShiftThresholds | None) -> Observation:
+    """The workload plans are judged on: the window's, or, when the window's last third
+    has a length mix shifted from the whole window's (a shift under way), the window with
+    the last third's lengths: where the mix is now, not where it was on average."""
+    recent = observation.recent
+    if recent is None or recent.prompt is None or recent.output is None:
+        return observation
+    if not is_shifted(observation, recent, thresholds).is_mix_shifted:
+        return observation
+    return replace(observation, prompt=recent.prompt, output=recent.output)
 
 
 def _choose(
-    observation: Observation, plan: Plan, settings: ReplanningSpec, state: DecisionState,
-    evaluator: PlanEvaluator, verdict: ShiftVerdict, miss: str | None, numbers: DecisionNumbers,
+    observation: Observation, ahead: Observation, plan: Plan, settings: ReplanningSpec,
+    state: DecisionState, evaluator: PlanEvaluator, verdict: ShiftVerdict, miss: str | None,
+    numbers: DecisionNumbers,
 ) -> Decision:
-    """Simulate the candidates and move to the best, or keep (the trigger then resets)."""
+    """Simulate the candidates on the workload ahead and move to the best, or keep (the
+    trigger then resets)."""
     rate, correction, target = numbers.sized_rate_rps, state.correction, evaluator.attainment_target
     candidates = [
-        (candidate, evaluator.predict(candidate, observation, rate, correction))
+        (candidate, evaluator.predict(candidate, ahead, rate, correction))
         for candidate in (
-            evaluator.scale(plan, observation, rate, correction),
-            evaluator.search(observation, rate, correction),
+            evaluator.scale(plan, ahead, rate, correction),
+            evaluator.search(ahead, rate, correction),
         )
         if candidate is not None and change_kind(plan, candidate) is not None
     ]

@@ -61,4 +61,11 @@ class Observation:
     num_refused: int = 0
     phases: dict[str, PhaseObservation] = field(default_factory=dict)  # "prefill", "decode"
     plan_id: str | None = None  # the plan the deployment served under (distserve_plan_info)
-    recent_rate_rps: float | None = None  # arrivals over the window's last third: a rising rate
+    # The window's last third (arrivals and lengths only): where a rising rate or a shift
+    # of the length mix under way is now, which the whole window's figures lag.
+    recent: Observation | None = None
+
+    @property
+    def recent_rate_rps(self) -> float | None:
+        """Arrivals per second over the window's last third (None: not measured)."""
+        return self.recent.arrival_rate_rps if self.recent is not None else None

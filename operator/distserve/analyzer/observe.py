@@ -8,8 +8,8 @@ summed over the deployment's routers and instances that match the selector:
   sub-window; for a renewal process the counts' index of dispersion (variance / mean)
   tends to the squared coefficient of variation of the gaps, so `arrival_cv` is its
   square root (1 for Poisson). A sub-window that spans a counter reset is left out.
-  The rate over the last third of the sub-windows is `recent_rate_rps`: where a rising
-  rate is now, which the window's mean lags;
+  Arrivals and the length histograms over the window's last third make `recent`: where a
+  rising rate or a shift of the length mix under way is now, which the window lags;
 - lengths: the increase of each bucket of `vllm:request_prompt_tokens` and
   `vllm:request_generation_tokens`, fitted by `fit.py` (interval-censored maximum
   likelihood over a few `scipy.stats` families);
@@ -34,7 +34,8 @@ from distserve.analyzer.fit import fit_lengths
 from distserve.analyzer.observation import LengthFit, Observation, PhaseObservation
 from distserve.analyzer.prometheus import PrometheusClient, Sample, finite_or_none
 
-DEFAULT_WINDOW_S = 900.0  # 15 minutes, the issue's default
+DEFAULT_WINDOW_S = 900.0  # 15 minutes
+RECENT_SHARE = 3  # `recent` is the window's last 1/RECENT_SHARE
 NUM_SUBWINDOWS = 30  # sub-windows of the burstiness estimate (at least MIN_SUBWINDOW_S each)
 MIN_SUBWINDOW_S = 2.0  # a sub-window spans at least a couple of scrapes
 MIN_SUBWINDOWS_FOR_CV = 3
@@ -105,15 +106,6 @@ def subwindow_counts(points: tuple[tuple[float, float], ...]) -> list[float]:
     return [b - a for a, b in zip(values, values[1:], strict=False) if b >= a]
 
 
-def recent_rate(counts: list[float] | np.ndarray, subwindow_s: float) -> float | None:
-    """Arrivals per second over the last third of the sub-windows (at least one): where a
-    rising rate is now, which the whole window's mean lags."""
-    if len(counts) == 0 or not subwindow_s > 0:
-        return None
-    last = max(1, len(counts) // 3)
-    return float(np.sum(counts[-last:])) / (last * subwindow_s)
-
-
 def _one(samples: list[Sample]) -> float | None:
     return finite_or_none(samples[0].value) if samples else None
 
@@ -149,7 +141,12 @@ async def observe(client: PrometheusClient, labels: Mapping[str, str],
     end_s = time.time() if end_s is None else end_s
     selector = label_selector(labels)
     sub_s = subwindow_s or max(MIN_SUBWINDOW_S, window_s / NUM_SUBWINDOWS)
+    recent_s = window_s / RECENT_SHARE
     queries = window_queries(selector, window_s)
+    recent_queries = {f"recent_{name}": query
+                      for name, query in window_queries(selector, recent_s).items()
+                      if name in ("arrived", "prompt", "output")}
+    queries.update(recent_queries)
     names = list(queries)
     answers = await asyncio.gather(
         *(client.aquery(queries[n], end_s) for n in names),
@@ -160,7 +157,15 @@ async def observe(client: PrometheusClient, labels: Mapping[str, str],
     finished = _one(got["finished"])
     met = {s.labels.get("slo"): finite_or_none(s.value) for s in got["slo_met"]}
     counts = subwindow_counts(answers[-1][0].points) if answers[-1] else []
-    prompt, output = await asyncio.gather(*(asyncio.to_thread(_fit, got[n]) for n in ("prompt", "output")))
+    prompt, output, recent_prompt, recent_output = await asyncio.gather(*(
+        asyncio.to_thread(_fit, got[n])
+        for n in ("prompt", "output", "recent_prompt", "recent_output")))
+    recent_arrived = _one(got["recent_arrived"]) or 0.0
+    recent = Observation(
+        end_s=end_s, window_s=recent_s, num_requests=int(round(recent_arrived)),
+        arrival_rate_rps=recent_arrived / recent_s, arrival_cv=dispersion_cv(counts),
+        prompt=recent_prompt, output=recent_output,
+    )
     return Observation(
         end_s=end_s, window_s=window_s,
         num_requests=int(round(arrived)),
@@ -175,7 +180,7 @@ async def observe(client: PrometheusClient, labels: Mapping[str, str],
         num_refused=int(round(_one(got["refused"]) or 0.0)),
         phases=_phases(got["queue_p90"], got["kv_usage"]),
         plan_id=_plan_id(got["plan"]),
-        recent_rate_rps=recent_rate(counts, sub_s),
+        recent=recent,
     )
 
 

@@ -94,7 +94,8 @@ class SearchEvaluator:
 
     def context(self, observation: Observation, correction: Correction) -> SearchContext:
         """The search context of this window and correction (kept for the next question)."""
-        key = (observation.end_s, observation.window_s, observation.num_requests, correction)
+        key = (observation.end_s, observation.window_s, observation.num_requests,
+               observation.prompt, observation.output, correction)
         if key not in self._contexts:
             if len(self._contexts) > 8:
                 self._contexts.clear()
