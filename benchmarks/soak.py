@@ -11,6 +11,7 @@ shared-memory files than at the start, and the growth of RSS and descriptors. Th
 curves go to a PNG (`--png`).
 
     python benchmarks/soak.py --minutes 30 [--rate R | --fraction 0.8] [--sample-s 60]
+    python benchmarks/soak.py --minutes 5 --fraction 5 --max-waiting 0   # overload
 """
 
 from __future__ import annotations
@@ -110,10 +111,17 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.8)
     parser.add_argument("--sample-s", type=float, default=60.0)
     parser.add_argument("--png", default="soak.png")
+    parser.add_argument("--max-waiting", type=int, default=1024,
+                        help="the router's waiting bound (a soak looks for leaks, not refusals; "
+                             "0: the deployment's own, as in an overload run)")
     args = parser.parse_args()
     spec = load_manifest("examples/local.yaml").spec
     settings = serve_settings(spec, {"prefill": 1, "decode": 1}, "soak", find_model_path(spec))
-    settings.max_waiting_requests = 1024
+    if args.max_waiting:
+        settings.max_waiting_requests = args.max_waiting
+    print(f"router bounds: {settings.max_waiting_requests} waiting, in flight "
+          f"{settings.max_inflight_requests or 'waiting + 2 decode batches'} (decode batch "
+          f"{settings.max_decode_batch})", flush=True)
     print(f"load average before: {os.getloadavg()}; shm files before: {shm_files()}", flush=True)
     shm_before = shm_files()
     with LocalLauncher(settings, port=PORT) as launcher:
@@ -140,9 +148,11 @@ def main() -> None:
         is_idle = wait_idle(launcher)
         rows.append(sample(launcher, time.monotonic() - started_s))
         print_row(rows[-1])
-        errors = sum(o.error is not None for o in outcomes)
+        refused = sum(o.status == 429 for o in outcomes)
+        errors = sum(o.error is not None for o in outcomes) - refused
         first, last = rows[0], rows[-1]
-        print(f"requests {len(outcomes)}, errors {errors}, elapsed {(time.monotonic() - started_s) / 60:.1f} min")
+        print(f"requests {len(outcomes)}, refused (429) {refused}, other errors {errors}, "
+              f"elapsed {(time.monotonic() - started_s) / 60:.1f} min")
         print(f"after the load: instances idle with KV 0: {is_idle}; KV in use "
               f"{last['kv_usage']}; shm files {last['shm_files']} (before launch {shm_before})")
         for name in first["rss_mib"]:
