@@ -139,7 +139,7 @@ def test_worker_container_args_and_config():
     settings = json.loads(config_map["data"]["serve.json"])
     assert settings["instances"] == {"prefill": 1, "decode": 2}
     assert settings["engine"]["model"] == "/models/opt-13b"
-    assert settings["slo"] == {"ttft_s": 0.25, "tpot_s": 0.1}
+    assert settings["slo"] == {"ttft_s": 0.25, "tpot_s": 0.1, "attainment": 0.9}
     plan_doc = json.loads(config_map["data"]["plan.json"])
     assert plan_doc["plan"]["id"] == revision.plan.plan_id
     assert [e["role"] for e in plan_doc["instances"]] == ["prefill", "decode", "decode"]
