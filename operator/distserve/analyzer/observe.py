@@ -157,21 +157,20 @@ async def observe(client: PrometheusClient, labels: Mapping[str, str],
     finished = _one(got["finished"])
     met = {s.labels.get("slo"): finite_or_none(s.value) for s in got["slo_met"]}
     counts = subwindow_counts(answers[-1][0].points) if answers[-1] else []
-    cv = dispersion_cv(counts)
     prompt, output, recent_prompt, recent_output = await asyncio.gather(*(
         asyncio.to_thread(_fit, got[n])
         for n in ("prompt", "output", "recent_prompt", "recent_output")))
     recent_arrived = _one(got["recent_arrived"]) or 0.0
     recent = Observation(
         end_s=end_s, window_s=recent_s, num_requests=int(round(recent_arrived)),
-        arrival_rate_rps=recent_arrived / recent_s, arrival_cv=cv,
+        arrival_rate_rps=recent_arrived / recent_s, arrival_cv=dispersion_cv(counts),
         prompt=recent_prompt, output=recent_output,
     )
     return Observation(
         end_s=end_s, window_s=window_s,
         num_requests=int(round(arrived)),
         arrival_rate_rps=arrived / window_s,
-        arrival_cv=cv,
+        arrival_cv=dispersion_cv(counts),
         prompt=prompt, output=output,
         ttft_attainment=_ratio(met.get("ttft"), finished),
         tpot_attainment=_ratio(met.get("tpot"), finished),

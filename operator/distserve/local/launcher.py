@@ -42,7 +42,6 @@ from typing import Any
 
 import httpx
 
-from distserve.local.settings import local_instance_name
 from distserve_engine.server.settings import Parallelism, Peer, ServeSettings
 
 READY_TIMEOUT_S = 300.0  # loading a model on two shared cores can take a while
@@ -119,7 +118,7 @@ def plan_processes(settings: ServeSettings, config_path: Path, host: str, port: 
     next_core = 0
     for role in ("prefill", "decode", "colocated"):
         for i in range(settings.instances.get(role, 0)):
-            name = local_instance_name(role, i)
+            name = f"{role}-{i}"
             parallel = settings.parallel_of(role, name)
             cores = cores_from(next_core, parallel.num_ranks, num_cores)
             next_core += parallel.num_ranks if num_cores else 0
@@ -229,7 +228,7 @@ class LocalLauncher:
         """Names for `count` more instances of `role`, after every name in use."""
         first = 1 + max((int(p.name.rpartition("-")[2]) for p in self.procs if p.role == role),
                         default=-1)
-        return [local_instance_name(role, first + i) for i in range(count)]
+        return [f"{role}-{first + i}" for i in range(count)]
 
     def add_instance(self, role: str, config_path: Path, name: str | None = None) -> ServerProcess:
         """Start one more instance of `role` reading `config_path` (its tp and pp under

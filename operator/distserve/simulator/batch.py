@@ -22,6 +22,8 @@ from distserve.simulator.timing import StageTimer
 
 def held_by_others(lanes, lane=None) -> int:
     """KV tokens the lanes other than `lane` hold (all of them for a newcomer, None)."""
+    if len(lanes) == 1:
+        return 0 if lane is not None else lanes[0].run.tokens_held()
     return sum(x.run.tokens_held() for x in lanes if x is not lane)
 
 
