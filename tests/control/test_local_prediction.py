@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from distserve.cli.fidelity import _sample_trace, compare_deployment
+from distserve.cli.up import _predicted
+from distserve.local.load import Outcome
 from distserve.local.prediction import LocalShape, engine_context, predict_run
-from distserve.local.settings import serve_settings
+from distserve.local.settings import instance_counts, instance_parallel, serve_settings
+from distserve.plan import PhaseConfig, Plan, SegmentPlacement
 from distserve.search import build_context
 from distserve.search.trials import instance_model
 from distserve.spec import load_manifest
@@ -16,17 +22,70 @@ from distserve.workload import Request
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.mark.parametrize(("instances", "engine"), [
+@pytest.mark.parametrize(("instances", "serving_mode"), [
     ({"prefill": 1, "decode": 1}, "disaggregated"), ({"colocated": 2}, "colocated"),
 ])
-def test_each_request_alone_waits_only_for_its_own_prefill(instances, engine):
+def test_each_request_alone_waits_only_for_its_own_prefill(instances, serving_mode):
     spec = load_manifest(EXAMPLES / "local.yaml").spec
     settings = serve_settings(spec, instances, "test", "/model")
     ctx = engine_context(build_context(spec), settings)
     requests = [Request(0, 0.0, 100, 5), Request(1, 100.0, 300, 8)]  # far apart: no queue
     summary = predict_run(ctx, LocalShape.from_settings(settings), requests, 0.02)
-    timer = instance_model(ctx, engine, (1, 1)).timer
+    timer = instance_model(ctx, serving_mode, (1, 1)).timer
     alone_s = [timer.prefill_iteration_s((n,)) for n in (100, 300)]
     assert (summary.num_requests, summary.num_errors, summary.attainment) == (2, 0, 1.0)
     assert summary.ttft_p_s[50] == pytest.approx(sum(alone_s) / 2)  # the median of two
     assert summary.rate_rps == 0.02
+
+
+def make_mixed_plan() -> Plan:
+    """prefill: one tp1 pp1 instance, then one tp1 pp2; decode: one tp1 pp1 (one node)."""
+    segments = (SegmentPlacement("prefill", 0, 0, "node-0", (0,)),
+                SegmentPlacement("prefill", 1, 0, "node-0", (1,)),
+                SegmentPlacement("prefill", 1, 1, "node-0", (2,)),
+                SegmentPlacement("decode", 0, 0, "node-0", (3,)))
+    return Plan(algorithm="fixed", model="tiny", accelerator="CPU",
+                prefill=PhaseConfig(1, 1, 1), decode=PhaseConfig(1, 1, 1), segments=segments,
+                goodput_rps=1.0, attainment=0.9, latency=None, ttft_slo_s=6.0, tpot_slo_s=0.4,
+                attainment_target=0.9, extra_prefill=(PhaseConfig(1, 2, 1),))
+
+
+def burst() -> list[Request]:
+    """Eight 400-token prompts at once: one prefill instance queues them, two share them."""
+    return [Request(i, 0.0, 400, 4) for i in range(8)]
+
+
+def test_a_mixed_plan_is_simulated_whole_each_instance_with_its_shape(capsys):
+    spec = load_manifest(EXAMPLES / "local.yaml").spec
+    plan = make_mixed_plan()
+    settings = serve_settings(spec, instance_counts(spec, plan), "test", "/model",
+                              instance_parallel(spec, plan), plan)
+    shape = LocalShape.from_settings(settings)
+    assert shape.describe() == "2 prefill (1 x tp1pp1 + 1 x tp1pp2) + 1 decode"
+    mixed = _predicted(spec, settings, burst(), 8.0)
+    assert "no simulated figures" not in capsys.readouterr().err
+    assert (mixed.num_requests, mixed.num_errors) == (8, 0)
+    first_group_only = serve_settings(spec, {"prefill": 1, "decode": 1}, "test", "/model")
+    alone = _predicted(spec, first_group_only, burst(), 8.0)
+    # the pp2 instance takes part of the burst: the queue ahead of the last prompt is shorter
+    assert mixed.ttft_p_s[99] < alone.ttft_p_s[99]
+
+
+def test_fidelity_compares_a_mixed_plan_with_its_simulated_figures(capsys):
+    spec = load_manifest(EXAMPLES / "local.yaml").spec
+
+    def answer_at_once(url, requests):
+        return [Outcome(r.req_id, r.prompt_tokens, r.output_tokens, 1.0, 0.1, r.output_tokens)
+                for r in requests]
+
+    def launch(settings, port):
+        return contextlib.nullcontext(SimpleNamespace(url=f"http://127.0.0.1:{port}"))
+
+    rows = compare_deployment(spec, make_mixed_plan(), "local", "/model", 0,
+                              _sample_trace(spec, 12), [0.1], 18000,
+                              drive_fn=answer_at_once, launch=launch)
+    out = capsys.readouterr().out
+    ((rate, _, predicted, _),) = rows
+    assert rate == 0.1 and predicted.num_requests == 12
+    assert "2 prefill (1 x tp1pp1 + 1 x tp1pp2) + 1 decode: simulated knee" in out
+    assert "simulated" in next(line for line in out.splitlines() if "TTFT p50" in line)

@@ -3,8 +3,9 @@
 `distserve up --demo` and `distserve fidelity` measure a deployment on this machine. To
 hold the simulator to what they measured, it replays exactly what they sent (every
 request's prompt and output length and its arrival time) on the deployment's instances
-(a prefill and decode count, or N colocated) with the engine's limits as the settings
-give them (Lm, decode batch size), timed by the latency profile the planner used.
+(each prefill and decode instance with its own tp and pp, so a mixed plan is simulated
+whole, as the search's sizing does; or N colocated) with the engine's limits as the
+settings give them (Lm, decode batch size), timed by the latency profile the planner used.
 NOTE: a colocated instance of the engine prefills up to Lm tokens per iteration, so the
 simulated one is given that budget (the planner's baselines assume a larger one).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,8 +22,14 @@ import numpy as np
 
 from distserve.local.report import RunSummary
 from distserve.local.settings import local_instance_name
+from distserve.search.candidates import Config
 from distserve.search.goodput import MAX_SHRINK, find_goodput
-from distserve.search.trials import SearchContext, Unit, simulate_baseline, simulate_unit
+from distserve.search.trials import (
+    Instances,
+    SearchContext,
+    simulate_baseline,
+    simulate_unit,
+)
 from distserve.simulator import SLO, SimResult, Trace
 from distserve.workload import Request
 from distserve_engine.server.settings import Parallelism, ServeSettings
@@ -32,33 +40,41 @@ KNEE_DROP = 0.1  # attainment points below the unloaded level that mark the knee
 
 @dataclass(frozen=True)
 class LocalShape:
-    """The instances of a local deployment, as its settings name them."""
+    """The instances of a local deployment, as its settings name them: each role's
+    instances in order, each with its tp x pp (a mixed plan's role has two shapes)."""
 
-    instances: dict[str, int]  # role -> count: prefill and decode, or colocated
-    parallel: dict[str, Parallelism]  # role -> tp x pp of each instance
+    role_to_parallel: dict[str, tuple[Parallelism, ...]]  # prefill and decode, or colocated
 
     @property
     def is_colocated(self) -> bool:
         """Colocated instances (the baseline) rather than prefill and decode ones."""
-        return "colocated" in self.instances
+        return bool(self.role_to_parallel.get("colocated"))
 
     def describe(self) -> str:
-        """e.g. "1 prefill + 1 decode" or "2 colocated"."""
-        return " + ".join(f"{count} {role}" for role, count in self.instances.items())
+        """e.g. "1 prefill + 1 decode", "2 colocated", or for a mixed plan
+        "2 prefill (1 x tp2pp1 + 1 x tp1pp2) + 1 decode"."""
+        parts = []
+        for role, shapes in self.role_to_parallel.items():
+            shape_to_count = Counter(shapes)  # in the order the instances are numbered
+            groups = "" if len(shape_to_count) < 2 else " (" + " + ".join(
+                f"{count} x tp{p.tp}pp{p.pp}" for p, count in shape_to_count.items()) + ")"
+            parts.append(f"{len(shapes)} {role}{groups}")
+        return " + ".join(parts)
+
+    def disaggregated_instances(self, link_bytes_per_s: float) -> Instances:
+        """The prefill and decode instances one by one, as the search simulates a whole
+        deployment (`search.replicas`), KV moving over one link."""
+        def configs(role: str) -> tuple[Config, ...]:
+            return tuple(Config(p.tp, p.pp) for p in self.role_to_parallel.get(role, ()))
+
+        return Instances(configs("prefill"), configs("decode"), link_bytes_per_s)
 
     @classmethod
     def from_settings(cls, settings: ServeSettings) -> LocalShape:
-        """The shape of a deployment's serving settings (`distserve.local.settings`); a
-        ValueError when a role's instances differ in tp or pp (a mixed plan), which the
-        local prediction does not simulate."""
-        role_to_parallel = {}
-        for role, count in settings.instances.items():
-            shapes = {settings.parallel_of(role, local_instance_name(role, i)) for i in range(count)}
-            if len(shapes) > 1:
-                raise ValueError(f"the {role} instances differ in tp or pp (a mixed plan); the "
-                                 "local prediction simulates one shape per role")
-            role_to_parallel[role] = shapes.pop() if shapes else Parallelism()
-        return cls(dict(settings.instances), role_to_parallel)
+        """The shape of a deployment's serving settings (`distserve.local.settings`)."""
+        return cls({role: tuple(settings.parallel_of(role, local_instance_name(role, i))
+                                for i in range(count))
+                    for role, count in settings.instances.items()})
 
 
 def engine_context(ctx: SearchContext, settings: ServeSettings) -> SearchContext:
@@ -69,18 +85,19 @@ def engine_context(ctx: SearchContext, settings: ServeSettings) -> SearchContext
 
 def simulate_shape(ctx: SearchContext, shape: LocalShape, trace: Trace,
                    slo: SLO | None = None) -> SimResult:
-    """The shape's instances serving the trace in the simulator (slo: stop once lost)."""
-    def config(role: str):
-        p = shape.parallel.get(role, Parallelism())
-        return p.tp, p.pp
-
+    """The shape's instances serving the trace in the simulator (slo: stop once lost);
+    a ValueError for colocated instances of different shapes, which no plan makes."""
     if shape.is_colocated:
-        return simulate_baseline(ctx, "colocated", config("colocated"),
-                                 shape.instances["colocated"], trace, slo,
+        shapes = set(shape.role_to_parallel["colocated"])
+        if len(shapes) > 1:
+            raise ValueError("the colocated instances differ in tp or pp; the simulated "
+                             "baseline runs one shape")
+        (p,) = shapes
+        return simulate_baseline(ctx, "colocated", Config(p.tp, p.pp),
+                                 len(shape.role_to_parallel["colocated"]), trace, slo,
                                  max_batch_tokens=ctx.max_prefill_tokens)
-    unit = Unit(config("prefill"), config("decode"), shape.instances["prefill"],
-                shape.instances["decode"], ctx.intra_node_bytes_per_s)
-    return simulate_unit(ctx, unit, trace, slo)
+    every = shape.disaggregated_instances(ctx.intra_node_bytes_per_s)
+    return simulate_unit(ctx, every, trace, slo)
 
 
 def trace_of(requests: Sequence[Request]) -> Trace:
