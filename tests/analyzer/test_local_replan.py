@@ -80,10 +80,11 @@ def test_reshuffle_under_load_replaces_and_adds_instances_losing_nothing(tiny_mo
     plan = {"id": "plan-a", "prefill": "tp1pp1x1", "decode": "tp1pp1x1"}
     settings = make_settings(tiny_model, deployment="reshuffled", plan=plan)
     new_parallel = dataclasses.replace(
-        settings, parallel={"prefill": Parallelism(tp=2, pp=1)},
+        settings, parallel={"prefill-0": Parallelism(tp=2, pp=1), "decode-0": Parallelism()},
         plan=PlanInfo("plan-b", prefill="tp2pp1x1", decode="tp1pp1x1"))
     more_decode = dataclasses.replace(
         new_parallel, instances={"prefill": 1, "decode": 2},
+        parallel={**new_parallel.parallel, "decode-1": Parallelism()},
         plan=PlanInfo("plan-c", prefill="tp2pp1x1", decode="tp1pp1x2"))
     with LocalLauncher(settings, port=free_port_block(3)) as launcher:
         old_prefill = next(p for p in launcher.procs if p.name == "prefill-0")

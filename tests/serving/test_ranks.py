@@ -50,7 +50,8 @@ def test_multi_rank_instances_give_one_rank_tokens(tiny_llama, deployment, paral
 
 def test_launcher_gives_each_rank_a_core(tmp_path):
     settings = ServeSettings(EngineConfig("/models/x"), instances={"prefill": 2, "decode": 1},
-                             parallel={"prefill-1": Parallelism(tp=2, pp=1)})
+                             parallel={"prefill-0": Parallelism(), "prefill-1": Parallelism(tp=2, pp=1),
+                                       "decode-0": Parallelism()})
     procs = plan_processes(settings, tmp_path / "serve.json", "127.0.0.1", 9000, num_cores=4)
     assert [(p.name, p.cores) for p in procs] == [
         ("prefill-0", [0]), ("prefill-1", [1, 2]), ("decode-0", [3]), ("router-0", None)]
@@ -64,7 +65,8 @@ def test_layout_from_the_instance_s_entry_and_the_pod_s_stage(tmp_path):
     assert (local.world_size, local.local_ranks) == (4, [0, 1, 2, 3])
     assert local.init_method.startswith("tcp://127.0.0.1:")
     assert layout_for(config, "prefill", "prefill-1", env={}) == RankLayout()
-    assert layout_for(config, "decode", "decode-0", env={}) == RankLayout()
+    with pytest.raises(ValueError, match=r"no entry for instance 'decode-0' .* it has \['prefill-0', 'prefill-1'\]"):
+        layout_for(config, "decode", "decode-0", env={})
     pod_env = {"DISTSERVE_STAGE": "1", "MASTER_ADDR": "s0.p0", "MASTER_PORT": "29500"}
     pod = layout_for(config, "prefill", "prefill-0", env=pod_env)
     assert (pod.tp, pod.pp) == (2, 2)

@@ -36,11 +36,20 @@ def test_every_part_is_read_into_its_type_and_written_back_the_same():
     assert settings.peers["decode"] == [Peer("d0", "http://d0:8001", "n1", draining=True)]
     assert settings.parallel_of("prefill", "prefill-0") == Parallelism(2, 1)
     assert settings.parallel_of("prefill", "prefill-1") == Parallelism(1, 2)
-    assert settings.parallel_of("decode", "decode-0") == Parallelism(1, 1)  # none named: one rank
     assert settings.plan == PlanInfo("abc", prefill="tp2pp1x2", decode="tp1pp1x1")
     assert settings.can_decode_across_nodes  # unless the document says otherwise
     again = ServeSettings.from_dict(json.loads(json.dumps(settings.to_dict())))
     assert again == settings
+
+
+def test_an_instance_parallel_does_not_name_is_an_error_naming_it_and_the_names_present():
+    settings = ServeSettings.from_dict({**DOC, "parallel": {
+        "prefill-0": {"tp": 2}, "prefill": {"tp": 4}}})  # a role's name is no default
+    with pytest.raises(ValueError, match=r"parallel has no entry for instance 'prefill-1' "
+                                         r"\(a prefill instance\); it has \['prefill', 'prefill-0'\]"):
+        settings.parallel_of("prefill", "prefill-1")
+    unnamed = ServeSettings.from_dict({**DOC, "parallel": {}})  # no parallelism given
+    assert unnamed.parallel_of("decode", "decode-0") == Parallelism(1, 1)
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -15,9 +15,9 @@
 
 `parallel` gives each instance its tp x pp, keyed by the name the process is started
 with (`--instance`): the launcher and the operator write one entry per instance, so the
-instances of one role may differ (a mixed plan). A role's name as a key is the default
-of that role's instances not named (hand-written documents); an instance named nowhere
-runs on one rank.
+instances of one role may differ (a mixed plan). A `parallel` that names instances must
+name every instance started (an instance it lacks is an error naming the instance and
+the names it has); an empty one runs every instance on one rank (hand-written documents).
 
 A peer is `URL`, `NAME=URL` or `{"name", "url", "node", "draining"}`. A router reading
 its peers from this file re-reads it while it runs (`server/peers.py`).
@@ -164,7 +164,7 @@ class Peer:
 
 
 def _read_parallel(doc: Any) -> dict[str, Parallelism]:
-    """`parallel`: instance name (or role) -> Parallelism; errors name the entry."""
+    """`parallel`: instance name -> Parallelism; errors name the entry."""
     if not isinstance(doc, dict):
         raise ValueError(f"serve settings: parallel must be an object keyed by instance name, "
                          f"got {doc!r}")
@@ -197,7 +197,7 @@ class ServeSettings:
     slo: Slo = field(default_factory=Slo)
     instances: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
     peers: dict[str, list[Peer]] = field(default_factory=dict)  # role -> instances to route to
-    # instance name (or role, the default of its instances) -> ranks of that instance
+    # instance name -> ranks of that instance (empty: every instance on one rank)
     parallel: dict[str, Parallelism] = field(default_factory=dict)
     plan: PlanInfo | None = None  # the plan served under (metrics only); None without a plan
 
@@ -229,9 +229,16 @@ class ServeSettings:
         if self.admit_by_ttft and self.ttft_slo_s is None:
             raise ValueError("serve settings: admit_by_ttft needs slo.ttft_s")
 
-    def parallel_of(self, role: str, instance: str) -> Parallelism:
-        """tp x pp of the instance named `instance`: its entry, else its role's, else 1 x 1."""
-        return self.parallel.get(instance) or self.parallel.get(role) or Parallelism()
+    def parallel_of(self, role: str, instance_name: str) -> Parallelism:
+        """tp x pp of the `role` instance named `instance_name`: its entry (1 x 1 when
+        `parallel` is empty); a ValueError naming it and the names present when absent."""
+        if not self.parallel:
+            return Parallelism()
+        if instance_name not in self.parallel:
+            raise ValueError(f"serve settings: parallel has no entry for instance "
+                             f"{instance_name!r} (a {role} instance); it has "
+                             f"{sorted(self.parallel)}")
+        return self.parallel[instance_name]
 
     @property
     def ttft_slo_s(self) -> float | None:
