@@ -11,6 +11,7 @@ from k8s_factories import NODES, make_mixed_plan, make_owner, make_plan, make_re
 from distserve.k8s import naming, router, workers
 from distserve.search.placement import place_units
 from distserve.search.trials import Config, Unit
+from distserve_engine.instance.ranks import layout_for
 from distserve_engine.server.settings import ServeSettings
 
 KNOWN = set(NODES)
@@ -150,11 +151,13 @@ def test_worker_container_args_and_config():
     assert settings["parallel"][args["--instance"]] == {"tp": 2, "pp": 1}
 
 
-def test_a_mixed_plan_s_pods_each_find_their_own_tp_and_pp_in_the_config_and_no_env():
+def test_a_mixed_plan_s_pods_each_find_their_own_tp_and_pp_in_the_config_and_no_env(tmp_path):
     plan = make_mixed_plan()
     revision = make_revision(plan)
     config_map = workers.build_engine_config_map_spec(revision)
     settings = ServeSettings.from_dict(json.loads(config_map["data"]["serve.json"]))
+    config_path = tmp_path / "serve.json"
+    config_path.write_text(config_map["data"]["serve.json"])
     pods = _pods(revision)
     assert len(pods) == len(plan.segments) == 5
     for pod in pods:
@@ -165,8 +168,17 @@ def test_a_mixed_plan_s_pods_each_find_their_own_tp_and_pp_in_the_config_and_no_
         parallel = settings.parallel_of(args["--role"], args["--instance"])
         assert (parallel.tp, parallel.pp) == (phase.tp, phase.pp)
         assert container["resources"]["limits"]["nvidia.com/gpu"] == phase.tp
-        env = {e["name"] for e in container["env"]}
-        assert not env & {"DISTSERVE_TENSOR_PARALLEL", "DISTSERVE_PIPELINE_STAGES", "TP", "PP"}
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert not set(env) & {"DISTSERVE_TENSOR_PARALLEL", "DISTSERVE_PIPELINE_STAGES", "TP", "PP",
+                               "DISTSERVE_STAGE"}
+        # the stage is an argument; the engine places the pod's ranks from it and serve.json
+        stage = int(labels[naming.STAGE_LABEL])
+        assert args["--stage"] == str(stage)
+        layout = layout_for(config_path, args["--role"], args["--instance"], int(args["--stage"]),
+                            env=env)
+        assert (layout.local_ranks, layout.is_driver) == (
+            list(range(stage * phase.tp, (stage + 1) * phase.tp)), stage == 0)
+        assert layout.init_method == f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
     shapes = {args_of(p)["--instance"]: settings.parallel[args_of(p)["--instance"]] for p in pods}
     assert sorted((s.tp, s.pp) for s in shapes.values()) == [(1, 1), (1, 1), (1, 2), (2, 1)]
 

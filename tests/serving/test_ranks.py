@@ -67,8 +67,8 @@ def test_layout_from_the_instance_s_entry_and_the_pod_s_stage(tmp_path):
     assert layout_for(config, "prefill", "prefill-1", env={}) == RankLayout()
     with pytest.raises(ValueError, match=r"no entry for instance 'decode-0' .* it has \['prefill-0', 'prefill-1'\]"):
         layout_for(config, "decode", "decode-0", env={})
-    pod_env = {"DISTSERVE_STAGE": "1", "MASTER_ADDR": "s0.p0", "MASTER_PORT": "29500"}
-    pod = layout_for(config, "prefill", "prefill-0", env=pod_env)
+    pod_env = {"MASTER_ADDR": "s0.p0", "MASTER_PORT": "29500"}
+    pod = layout_for(config, "prefill", "prefill-0", stage=1, env=pod_env)
     assert (pod.tp, pod.pp) == (2, 2)
     assert (pod.local_ranks, pod.is_driver, pod.init_method) == ([2, 3], False, "tcp://s0.p0:29500")
     assert local.split_cores([0, 1, 2, 3, 4, 5, 6, 7]) == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -78,8 +78,8 @@ def test_layout_from_the_instance_s_entry_and_the_pod_s_stage(tmp_path):
 def test_a_pod_whose_instance_the_settings_do_not_name_is_an_error_naming_it(tmp_path):
     config = tmp_path / "serve.json"
     config.write_text('{"engine": {"model": "/models/x"}, "parallel": {"prefill-0": {"pp": 2}}}')
-    pod_env = {"DISTSERVE_STAGE": "1", "MASTER_ADDR": "s0.p0"}
+    pod_env = {"MASTER_ADDR": "s0.p0"}
     with pytest.raises(ValueError, match="parallel has no entry for instance 'prefill-9'"):
-        layout_for(config, "prefill", "prefill-9", env=pod_env)
-    with pytest.raises(ValueError, match=r"DISTSERVE_STAGE 2: parallel\.prefill-0\.pp is 2"):
-        layout_for(config, "prefill", "prefill-0", env={**pod_env, "DISTSERVE_STAGE": "2"})
+        layout_for(config, "prefill", "prefill-9", stage=1, env=pod_env)
+    with pytest.raises(ValueError, match=r"--stage 2: parallel\.prefill-0\.pp is 2"):
+        layout_for(config, "prefill", "prefill-0", stage=2, env=pod_env)

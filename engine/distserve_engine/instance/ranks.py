@@ -1,15 +1,16 @@
 """Where an instance's tp x pp ranks run: which ranks this process starts, and the rendezvous.
 
 Decided before torch is imported (a process pins its cores first), so this module reads
-only the settings file and the environment. The instance's tp and pp always come from
-the settings' `parallel` entry of its name (`--instance`); the environment says only
-where this process sits among the ranks. Three ways to be started:
+only the settings file, the process's `--stage` and the environment. The instance's tp
+and pp always come from the settings' `parallel` entry of its name (`--instance`); the
+stage and the environment say only where this process sits among the ranks. Three ways
+to be started:
 - `distserve up` (nothing in the environment): this process is rank 0 and starts every
   other rank of its instance on this host, one slice of `--cpu-cores` each; the
   rendezvous is a free port on 127.0.0.1.
-- A Kubernetes pod of one pipeline stage (`DISTSERVE_STAGE`, `MASTER_ADDR`,
-  `MASTER_PORT`): this process is rank stage * tp and starts the stage's other tp
-  ranks; stage 0 serves the instance.
+- A Kubernetes pod of one pipeline stage (`--stage S`; `MASTER_ADDR`, `MASTER_PORT`
+  name stage 0's rendezvous, torch.distributed's own convention): this process is rank
+  S * tp and starts the stage's other tp ranks; stage 0 serves the instance.
 - One process per rank (`WORLD_SIZE`, `RANK`, `MASTER_ADDR`, `MASTER_PORT`, as torchrun
   sets them): this process is only its own rank.
 """
@@ -62,10 +63,10 @@ class RankLayout:
         return [cores[i * size:(i + 1) * size] for i in range(self.num_local)]
 
 
-def layout_for(config_path: str | Path, role: str, instance: str,
+def layout_for(config_path: str | Path, role: str, instance: str, stage: int | None = None,
                env: Mapping[str, str] | None = None) -> RankLayout:
     """This process's ranks: tp and pp from the settings' `parallel` entry of `instance`,
-    its place among them from the environment."""
+    its place among them from `stage` (a pod of one pipeline stage) or the environment."""
     env = os.environ if env is None else env
     settings = ServeSettings.load(config_path)
     tp, pp = 1, 1
@@ -73,13 +74,12 @@ def layout_for(config_path: str | Path, role: str, instance: str,
         parallel = settings.parallel_of(role, instance)
         tp, pp = parallel.tp, parallel.pp
     master = f"tcp://{env.get('MASTER_ADDR', '127.0.0.1')}:{env.get('MASTER_PORT', DEFAULT_MASTER_PORT)}"
-    if "DISTSERVE_STAGE" in env:  # one pod per pipeline stage, tp ranks in it
-        stage = int(env["DISTSERVE_STAGE"])
+    if stage is not None:  # one pod per pipeline stage, tp ranks in it
         if instance not in settings.parallel:
             raise ValueError(f"serve settings: parallel has no entry for instance {instance!r} "
                              f"(a pod of stage {stage} needs its instance's tp and pp)")
         if stage >= pp:
-            raise ValueError(f"DISTSERVE_STAGE {stage}: parallel.{instance}.pp is {pp}")
+            raise ValueError(f"--stage {stage}: parallel.{instance}.pp is {pp}")
         return RankLayout(tp, pp, stage * tp, tp, master)
     if "WORLD_SIZE" in env and int(env["WORLD_SIZE"]) > 1:  # one process per rank
         if int(env["WORLD_SIZE"]) != tp * pp:

@@ -14,6 +14,8 @@ Arguments:
                        router: the OpenAI API over instances at --*-peers;
                        all: router and the settings' `instances` in this one process.
   --instance NAME      this instance's name in metrics and KV handles (default ROLE-0).
+  --stage S            the pipeline stage this process runs of its instance, where each
+                       stage is its own pod (Kubernetes); see below.
   --host, --port       where to listen (default 127.0.0.1:8000).
   --advertise-url URL  how other processes reach this one (default http://HOST:PORT);
                        decode instances pull KV from a prefill instance at this URL.
@@ -38,9 +40,9 @@ Instances on several ranks (tp * pp > 1; see `instance/ranks.py` and `instance/w
     host, splitting --cpu-cores into one equal slice per rank; on CUDA rank r takes the
     r-th GPU this process sees (`distserve up` sets CUDA_VISIBLE_DEVICES to the plan's
     GPUs of the instance, in stage order); the rendezvous is a free port on 127.0.0.1.
-  - Kubernetes, one pod per pipeline stage: DISTSERVE_STAGE, MASTER_ADDR (stage 0's
-    pod), MASTER_PORT. The process is
-    rank stage * tp and spawns the stage's other tp ranks (GPU i of the pod each). Stage
+  - Kubernetes, one pod per pipeline stage: --stage S, and MASTER_ADDR (stage 0's pod)
+    and MASTER_PORT in the environment. The process is
+    rank S * tp and spawns the stage's other tp ranks (GPU i of the pod each). Stage
     0 serves the instance; a later stage serves only `GET /health` and `GET /livez` and
     exits when rank 0 stops or its connection fails.
   - One process per rank: WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT (rank 0 serves).
@@ -73,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="JSON serving settings file")
     p.add_argument("--role", required=True, choices=ROLES)
     p.add_argument("--instance", default=None, help="instance name (default ROLE-0)")
+    p.add_argument("--stage", type=int, default=None,
+                   help="this pod's pipeline stage of the instance (one pod per stage)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--advertise-url", default=None)
@@ -104,7 +108,7 @@ def build_app(args: argparse.Namespace):
     """The FastAPI app this process serves."""
     all_cores = [int(c) for c in args.cpu_cores.split(",")] if args.cpu_cores else None
     name = args.instance or f"{args.role}-0"
-    layout = ranks.layout_for(args.config, args.role, name)
+    layout = ranks.layout_for(args.config, args.role, name, args.stage)
     cores = layout.split_cores(all_cores)[0]  # rank 0's share; other ranks get the rest
     pin_process(cores)
     from distserve_engine.instance import workers

@@ -161,6 +161,7 @@ def build_worker_container(revision: naming.Revision, segment: SegmentPlacement)
         "--config", f"{CONFIG_DIR}/{SETTINGS_FILE}",
         "--role", segment.role,
         "--instance", engine_instance_name(revision, segment.role, segment.instance),
+        "--stage", str(segment.stage),
         "--host", "0.0.0.0",
         "--port", str(engine.port),
         "--advertise-url", own_url,
@@ -174,7 +175,7 @@ def build_worker_container(revision: naming.Revision, segment: SegmentPlacement)
         "args": args,
         "ports": [{"name": "http", "containerPort": engine.port}],
         "env": (build_env(revision.owner.name, engine.device, revision.id)
-                + build_stage_env(revision, segment)),
+                + build_rendezvous_env(revision, segment)),
         "resources": build_resources(revision, segment.role, len(segment.gpu_ids)),
         **pods.build_probes(options, pods.ENGINE_STARTUP_TIMEOUT_S),
         "lifecycle": build_lifecycle(),
@@ -208,13 +209,13 @@ def build_env(deployment: str, device: str, revision_id: str | None = None) -> l
     return env
 
 
-def build_stage_env(revision: naming.Revision, segment: SegmentPlacement) -> list[dict[str, Any]]:
-    """Which pipeline stage this pod is and where its instance's stage 0 listens (its tp
-    and pp are in `serve.json`, under the instance's name)."""
+def build_rendezvous_env(revision: naming.Revision, segment: SegmentPlacement) -> list[dict[str, Any]]:
+    """Where the torch.distributed rendezvous of this pod's instance listens (its stage
+    0), in torch's own variables; the pod's stage is an argument (`--stage`), its tp and
+    pp are in `serve.json` under the instance's name."""
     service = naming.instance_name(revision, segment.role, segment.instance)
     master = f"{naming.stage_hostname(0)}.{service}.{revision.owner.namespace}.svc"
     return [
-        {"name": "DISTSERVE_STAGE", "value": str(segment.stage)},
         {"name": "MASTER_ADDR", "value": master},
         {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
     ]
