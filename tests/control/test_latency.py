@@ -64,7 +64,7 @@ def test_dispatch_overhead_is_added_per_iteration():
 
 def test_auto_uses_the_profile_where_it_has_the_point():
     assert get_latency_model("facebook/opt-66b", "a100", 4, 1).source == "profile"
-    assert get_latency_model("opt-66b", "a100", 4, 1, engine="colocated").source == "profile"
+    assert get_latency_model("opt-66b", "a100", 4, 1, serving_mode="colocated").source == "profile"
     assert get_latency_model("opt-175b", "a100", 8, 1).source == "analytic"
     assert get_latency_model("opt-66b", "H100", 4, 1).source == "analytic"  # other GPU
 
@@ -131,7 +131,7 @@ def test_decode_is_memory_bound_and_prefill_compute_bound():
 
 def test_mixed_iteration_reduces_to_the_pure_phases():
     for source in ("profile", "analytic"):
-        lm = get_latency_model("opt-13b", "A100", 1, 1, engine="colocated", source=source)
+        lm = get_latency_model("opt-13b", "A100", 1, 1, serving_mode="colocated", source=source)
         assert lm.mixed_stage_s([], [100, 200]) == pytest.approx(lm.decode_stage_s([100, 200]))
         prefill_only = lm.mixed_stage_s([(512, 0)], [])
         assert prefill_only == pytest.approx(lm.prefill_stage_s([512]), rel=1e-6)

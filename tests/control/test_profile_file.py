@@ -61,8 +61,8 @@ def test_a_written_profile_times_the_cpu_as_measured(tmp_path):
     assert latency.prefill_stage_s([100]) == pytest.approx((120.0 + 4.0 * 100 + 1e-3 * 100**2) * 1e-3)
     assert latency.decode_stage_s([65, 257]) == pytest.approx((110.0 + 0.02 * 322 + 3.0 * 2) * 1e-3)
     assert kv_capacity_tokens(SMOLLM2, "CPU", 1, 1, profile_path=path) == 23296
-    # Both engines come from the same runner, so the baselines are timed from it too.
-    assert choose_source(SMOLLM2, "CPU", "auto", path).engines == ("disaggregated", "colocated")
+    # Both serving modes come from the same runner, so the baselines are timed from it too.
+    assert choose_source(SMOLLM2, "CPU", "auto", path).serving_modes == ("disaggregated", "colocated")
 
 
 def test_a_cpu_profile_is_not_used_for_a_gpu(tmp_path):

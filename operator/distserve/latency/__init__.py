@@ -1,13 +1,13 @@
 """Latency models: seconds per iteration of a pipeline stage, for (model, accelerator, tp, pp).
 
 One rule decides the source, per (model, accelerator), in `choose_source`:
-- "auto": when a profile covers the (model, accelerator) for the disaggregated engine,
+- "auto": when a profile covers the (model, accelerator) in the disaggregated serving mode,
   everything about that model is timed from the profile and only its profiled
-  tensor-parallel degrees are allowed (those profiled for the colocated engine too,
+  tensor-parallel degrees are allowed (those profiled for the colocated mode too,
   when the profile has it: the baselines are then timed from the same table; a
   profile without colocated rows cannot time the baselines, and they are left out);
   otherwise (OPT-175B, Llama, H100, ...) the paper's Appendix A analytic model times
-  every degree of both engines;
+  every degree of both serving modes;
 - "profile": as auto, but a model the profile does not cover is an error;
 - "analytic": never reads a profile; any degree.
 NOTE: a model is never timed by the profile at some degrees and by the analytic model
@@ -30,7 +30,7 @@ from distserve.latency.base import LatencyModel
 from distserve.latency.capacity import kv_capacity_tokens, weights_fit
 from distserve.latency.corrected import Correction, corrected
 from distserve.latency.profile import (
-    ENGINES,
+    SERVING_MODES,
     LatencyProfile,
     ProfileLatencyModel,
     default_profile,
@@ -53,15 +53,16 @@ class SourceChoice:
     tps: tuple[int, ...] | None  # the only tensor-parallel degrees allowed; None: any
     profile_path: str  # the profile read ("" for the analytic model)
     reason: str  # why this source, in words
-    engines: tuple[str, ...] = ENGINES  # the engines it times (a profile may lack colocated)
+    # the serving modes it times (a profile may lack colocated)
+    serving_modes: tuple[str, ...] = SERVING_MODES
 
     def allows(self, tp: int) -> bool:
         """Whether instances of this tensor-parallel degree may be timed."""
         return self.tps is None or tp in self.tps
 
-    def can_time(self, engine: str) -> bool:
-        """Whether this source times the engine ("disaggregated" or "colocated")."""
-        return engine in self.engines
+    def can_time(self, serving_mode: str) -> bool:
+        """Whether this source times the serving mode ("disaggregated" or "colocated")."""
+        return serving_mode in self.serving_modes
 
     def describe(self) -> str:
         """One line for a user: the source, the degrees and why."""
@@ -86,19 +87,19 @@ def choose_source(
     if source == "analytic":
         return SourceChoice("analytic", None, "", "latencyModel: analytic")
     profile = load_profile(profile_path) if profile_path else default_profile()
-    engine_to_tps: dict[str, set[int]] = {}
+    mode_to_tps: dict[str, set[int]] = {}
     if profile.accelerator_name in (None, accelerator.name):
-        engine_to_tps = {e: set(profile.tps_for(e, model)) for e in ENGINES}
-        engine_to_tps = {e: tps for e, tps in engine_to_tps.items() if tps}
-    tps = sorted(set.intersection(*engine_to_tps.values())) if engine_to_tps else []
-    if tps and "disaggregated" in engine_to_tps:
-        engines = tuple(engine_to_tps)
+        mode_to_tps = {m: set(profile.tps_for(m, model)) for m in SERVING_MODES}
+        mode_to_tps = {m: tps for m, tps in mode_to_tps.items() if tps}
+    tps = sorted(set.intersection(*mode_to_tps.values())) if mode_to_tps else []
+    if tps and "disaggregated" in mode_to_tps:
+        modes = tuple(mode_to_tps)
         return SourceChoice(
             "profile", tuple(tps), profile.source_path,
-            f"it covers {model.name} on {accelerator.name} ({' and '.join(engines)} engine)",
-            engines,
+            f"it covers {model.name} on {accelerator.name} ({' and '.join(modes)})",
+            modes,
         )
-    missing = _missing_point(profile, ENGINES[0], model, accelerator, None)
+    missing = _missing_point(profile, SERVING_MODES[0], model, accelerator, None)
     if source == "profile":
         raise ValueError(missing)
     return SourceChoice("analytic", None, "", f"no profile covers it ({missing})")
@@ -110,49 +111,55 @@ def get_latency_model(
     tp: int,
     pp: int,
     *,
-    engine: str = "disaggregated",
+    serving_mode: str = "disaggregated",
     source: str = "auto",
     profile_path: str | Path | None = None,
     enable_dispatch_overhead: bool = True,
+    engine: str | None = None,
 ) -> LatencyModel:
-    """The latency model for this point, its source chosen by `choose_source`.
+    """The latency model for this point, its source chosen by `choose_source`;
+    serving_mode: whose iterations it times, "disaggregated" or "colocated".
 
     ValueError when the chosen source is the profile and tp is not a profiled degree
     (under "auto" too: set source "analytic" to time unprofiled degrees).
+    NOTE: `engine` is the serving mode's former name, still passed by
+    `search/trials.py`; remove it once that passes `serving_mode`.
     """
+    serving_mode = engine or serving_mode
     model, accelerator = get_model(model), get_accelerator(accelerator)
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if serving_mode not in SERVING_MODES:
+        raise ValueError(f"serving_mode must be one of {', '.join(SERVING_MODES)}, "
+                         f"got {serving_mode!r}")
     choice = choose_source(model, accelerator, source, profile_path)
     if choice.source == "analytic":
         return AnalyticLatencyModel(
-            model, accelerator, tp, pp, engine, enable_dispatch_overhead=enable_dispatch_overhead
+            model, accelerator, tp, pp, serving_mode, enable_dispatch_overhead=enable_dispatch_overhead
         )
     profile = load_profile(profile_path) if profile_path else default_profile()
-    fit = profile.fit_for(engine, model, tp) if choice.allows(tp) else None
+    fit = profile.fit_for(serving_mode, model, tp) if choice.allows(tp) else None
     if fit is None:
         raise ValueError(
-            _missing_point(profile, engine, model, accelerator, tp)
+            _missing_point(profile, serving_mode, model, accelerator, tp)
             + " (a profiled model is timed from its profile only, at its profiled "
             "degrees; latencyModel: analytic times any degree)"
         )
     return ProfileLatencyModel(
-        model, accelerator, tp, pp, fit, engine, enable_dispatch_overhead=enable_dispatch_overhead
+        model, accelerator, tp, pp, fit, serving_mode, enable_dispatch_overhead=enable_dispatch_overhead
     )
 
 
 def _missing_point(
-    profile: LatencyProfile, engine: str, model: ModelArch, accelerator: Accelerator, tp: int | None
+    profile: LatencyProfile, serving_mode: str, model: ModelArch, accelerator: Accelerator, tp: int | None
 ) -> str:
     where = profile.source_path or "the profile"
     if profile.accelerator_name not in (None, accelerator.name):
         return f"{where} was measured on {profile.accelerator_name}, not {accelerator.name}"
-    tps = profile.tps_for(engine, model)
+    tps = profile.tps_for(serving_mode, model)
     if not tps:
-        return f"{where} has no {engine} entry for {model.name}"
+        return f"{where} has no {serving_mode} entry for {model.name}"
     if tp is None:
-        return f"{where} has no tp of {model.name} common to its engines"
-    return f"{where} has {model.name} ({engine}) at tp {tps}, not tp {tp}"
+        return f"{where} has no tp of {model.name} common to its serving modes"
+    return f"{where} has {model.name} ({serving_mode}) at tp {tps}, not tp {tp}"
 
 
 def prefill_saturation_tokens(latency_model: LatencyModel) -> int:

@@ -67,15 +67,15 @@ class AnalyticLatencyModel(StageLatencyBase):
         accelerator: Accelerator,
         tp: int,
         pp: int,
-        engine: str = "disaggregated",
+        serving_mode: str = "disaggregated",
         *,
         enable_dispatch_overhead: bool = True,
     ) -> None:
         super().__init__(
-            model, accelerator, tp, pp, engine, enable_dispatch_overhead=enable_dispatch_overhead
+            model, accelerator, tp, pp, serving_mode, enable_dispatch_overhead=enable_dispatch_overhead
         )
         self.num_stage_layers = layers_per_stage(model, pp)
-        is_colocated = engine == "colocated"
+        is_colocated = serving_mode == "colocated"
         self.compute_slowdown = COLOCATED_COMPUTE_SLOWDOWN if is_colocated else 1.0
         self.engine_iteration_s = (
             (COLOCATED_ITERATION_OVERHEAD_S + COLOCATED_PER_WORKER_OVERHEAD_S * (tp - 1))

@@ -33,7 +33,7 @@ class LatencyModel(Protocol):
     accelerator: Accelerator
     tp: int
     pp: int
-    engine: str  # "disaggregated" or "colocated"
+    serving_mode: str  # "disaggregated" or "colocated": whose iterations it times
     source: str  # "profile" or "analytic"
 
     def prefill_stage_s(self, prompt_lens: Sequence[int]) -> float:
@@ -92,13 +92,13 @@ class StageLatencyBase:
         accelerator: Accelerator,
         tp: int,
         pp: int,
-        engine: str = "disaggregated",
+        serving_mode: str = "disaggregated",
         *,
         enable_dispatch_overhead: bool = True,
     ) -> None:
         check_parallelism(model, tp, pp)
         self.model, self.accelerator, self.tp, self.pp = model, accelerator, tp, pp
-        self.engine = engine
+        self.serving_mode = serving_mode
         self.enable_dispatch_overhead = enable_dispatch_overhead
 
     def _overhead_s(self, num_tokens: int) -> float:

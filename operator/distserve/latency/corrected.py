@@ -55,7 +55,7 @@ class CorrectedLatencyModel:
         self.inner = inner
         self.correction = correction
         self.model, self.accelerator = inner.model, inner.accelerator
-        self.tp, self.pp, self.engine = inner.tp, inner.pp, inner.engine
+        self.tp, self.pp, self.serving_mode = inner.tp, inner.pp, inner.serving_mode
         self.source = f"{inner.source} (corrected)"
 
     def prefill_stage_s(self, prompt_lens: Sequence[int]) -> float:

@@ -1,6 +1,6 @@
 """Latency from profiled tables: the shape of the authors' `a100-opt-profile.json`.
 
-A profile holds, per engine ("disaggregated", "colocated"), model and tensor-parallel
+A profile holds, per serving mode ("disaggregated", "colocated"), model and tensor-parallel
 degree, fitted coefficients in milliseconds:
 
     prefill_ms = (a + b*S1 + c*S2) / pp + pp      S1 = sum of prompt lengths, S2 = sum of squares
@@ -24,13 +24,14 @@ from distserve.catalog import Accelerator, ModelArch, get_model
 from distserve.catalog.accelerators import BUILTIN_ACCELERATORS
 from distserve.latency.base import StageLatencyBase
 
-ENGINES = ("disaggregated", "colocated")
+# the file keeps its `engines` key, the name of the serving modes before they had one
+SERVING_MODES = ("disaggregated", "colocated")
 MS = 1e-3
 
 
 @dataclass(frozen=True)
 class PhaseFit:
-    """Fitted coefficients (milliseconds) for one (engine, model, tp)."""
+    """Fitted coefficients (milliseconds) for one (serving mode, model, tp)."""
 
     prefill_abc: tuple[float, float, float]
     decode_small_batch_abc: tuple[float, float, float]
@@ -40,25 +41,25 @@ class PhaseFit:
 
 @dataclass(frozen=True)
 class LatencyProfile:
-    """A loaded profile file: fits per (engine, model id lower-cased, tp) and KV rows."""
+    """A loaded profile file: fits per (serving mode, model id lower-cased, tp) and KV rows."""
 
     accelerator_name: str | None
     key_to_fit: dict[tuple[str, str, int], PhaseFit]
     kv_key_to_tokens: dict[tuple[str, int, int], int] = field(default_factory=dict)
     source_path: str = ""
 
-    def fit_for(self, engine: str, model: ModelArch, tp: int) -> PhaseFit | None:
+    def fit_for(self, serving_mode: str, model: ModelArch, tp: int) -> PhaseFit | None:
         """The fit for this point, or None when the profile did not measure it."""
-        return self.key_to_fit.get((engine, model.name.lower(), tp))
+        return self.key_to_fit.get((serving_mode, model.name.lower(), tp))
 
     def kv_capacity_tokens(self, model: ModelArch, tp: int, pp: int) -> int | None:
         """The measured KV capacity for this point, or None when absent."""
         return self.kv_key_to_tokens.get((model.name.lower(), tp, pp))
 
-    def tps_for(self, engine: str, model: ModelArch) -> list[int]:
-        """Tensor-parallel degrees profiled for this engine and model."""
+    def tps_for(self, serving_mode: str, model: ModelArch) -> list[int]:
+        """Tensor-parallel degrees profiled for this serving mode and model."""
         name = model.name.lower()
-        return sorted(tp for (e, m, tp) in self.key_to_fit if e == engine and m == name)
+        return sorted(tp for (e, m, tp) in self.key_to_fit if e == serving_mode and m == name)
 
 
 def load_profile(path: str | Path) -> LatencyProfile:
@@ -71,11 +72,11 @@ def load_profile(path: str | Path) -> LatencyProfile:
     if not isinstance(doc, dict) or not isinstance(doc.get("engines"), dict):
         raise ValueError(f"{path}: a latency profile needs an 'engines' object")
     key_to_fit: dict[tuple[str, str, int], PhaseFit] = {}
-    for engine, engine_doc in doc["engines"].items():
-        for model_name, tp_to_fit in engine_doc.get("models", {}).items():
+    for serving_mode, mode_doc in doc["engines"].items():
+        for model_name, tp_to_fit in mode_doc.get("models", {}).items():
             for tp, fit in tp_to_fit.items():
-                where = f"{path}: engines.{engine}.models.{model_name}.{tp}"
-                key_to_fit[(engine, _model_key(model_name), int(tp))] = _parse_fit(fit, where)
+                where = f"{path}: engines.{serving_mode}.models.{model_name}.{tp}"
+                key_to_fit[(serving_mode, _model_key(model_name), int(tp))] = _parse_fit(fit, where)
     kv_rows = doc.get("kv_capacity", {}).get("rows", [])
     kv_key_to_tokens = {
         (_model_key(r["model"]), int(r["tp"]), int(r["pp"])): int(r["kv_capacity_tokens"])
@@ -138,12 +139,12 @@ class ProfileLatencyModel(StageLatencyBase):
         tp: int,
         pp: int,
         fit: PhaseFit,
-        engine: str = "disaggregated",
+        serving_mode: str = "disaggregated",
         *,
         enable_dispatch_overhead: bool = True,
     ) -> None:
         super().__init__(
-            model, accelerator, tp, pp, engine, enable_dispatch_overhead=enable_dispatch_overhead
+            model, accelerator, tp, pp, serving_mode, enable_dispatch_overhead=enable_dispatch_overhead
         )
         self.fit = fit
 

@@ -54,21 +54,21 @@ def decode_batches(model_name: str, tp: int) -> list[list[int]]:
 
 
 def compare_to_profile(
-    engine: str = "disaggregated", profile: LatencyProfile | None = None
+    serving_mode: str = "disaggregated", profile: LatencyProfile | None = None
 ) -> list[PhaseError]:
-    """Analytic-vs-profile errors for every (model, tp) the profile has for this engine."""
+    """Analytic-vs-profile errors for every (model, tp) the profile has for this serving mode."""
     profile = profile or default_profile()
     accelerator = get_accelerator(profile.accelerator_name or "A100-80GB")
     errors = []
-    for (fit_engine, model_name, tp), fit in sorted(profile.key_to_fit.items()):
-        if fit_engine != engine:
+    for (fit_mode, model_name, tp), fit in sorted(profile.key_to_fit.items()):
+        if fit_mode != serving_mode:
             continue
         model = get_model(model_name)
         measured = ProfileLatencyModel(
-            model, accelerator, tp, 1, fit, engine, enable_dispatch_overhead=False
+            model, accelerator, tp, 1, fit, serving_mode, enable_dispatch_overhead=False
         )
         analytic = AnalyticLatencyModel(
-            model, accelerator, tp, 1, engine, enable_dispatch_overhead=False
+            model, accelerator, tp, 1, serving_mode, enable_dispatch_overhead=False
         )
         phase_to_pairs = {
             "prefill": [
