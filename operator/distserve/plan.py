@@ -56,7 +56,9 @@ class SegmentPlacement:
     """One pipeline stage of one instance, pinned to GPUs of one node."""
 
     role: Role
-    instance: int  # index of the instance within its role
+    # the instance's index within its role (named `instance` in the plan's JSON and the
+    # status, which the search writes and the operator reads back)
+    instance: int
     stage: int  # pipeline stage, 0-based
     node: str  # Kubernetes node name (or a synthetic name like node-0)
     gpu_ids: tuple[int, ...]  # the node's GPU indices this segment takes (tp of them)
@@ -125,14 +127,14 @@ class Plan:
         """Instances of one phase, all groups together."""
         return sum(group.instances for group in self.groups(role))
 
-    def phase_of(self, role: Role, instance: int) -> PhaseConfig:
-        """The group (tp, pp and its size) that instance number `instance` belongs to."""
+    def phase_of(self, role: Role, index: int) -> PhaseConfig:
+        """The group (tp, pp and its size) that the role's `index`-th instance belongs to."""
         first = 0
         for group in self.groups(role):
-            if instance < first + group.instances:
+            if index < first + group.instances:
                 return group
             first += group.instances
-        raise IndexError(f"{role} instance {instance}: the plan has {first}")
+        raise IndexError(f"{role} instance {index}: the plan has {first}")
 
     @property
     def is_mixed(self) -> bool:
@@ -170,9 +172,9 @@ class Plan:
         digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()
         return digest[:10]
 
-    def segments_of(self, role: Role, instance: int) -> list[SegmentPlacement]:
-        """The segments of one instance, by stage."""
-        found = [s for s in self.segments if s.role == role and s.instance == instance]
+    def segments_of(self, role: Role, index: int) -> list[SegmentPlacement]:
+        """The segments of the role's `index`-th instance, by stage."""
+        found = [s for s in self.segments if s.role == role and s.instance == index]
         return sorted(found, key=lambda s: s.stage)
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,11 +10,11 @@ from distserve.k8s.reshuffling import Instance, ReshuffleError, plan_reshuffle
 
 
 def make_instance(name: str, node: str = "a", first_gpu: int = 0, tp: int = 1,
-                  engine: str = "e1") -> Instance:
+                  engine_hash: str = "e1") -> Instance:
     """A one-stage instance named like `p0`/`d1` (role from the first letter)."""
     role = "prefill" if name[0] == "p" else "decode"
     return Instance(name, "r", role, int(name[1:]), tp, 1,
-                    ((node, tuple(range(first_gpu, first_gpu + tp))),), engine)
+                    ((node, tuple(range(first_gpu, first_gpu + tp))),), engine_hash)
 
 
 def instances(text: str) -> list[Instance]:
@@ -64,7 +64,7 @@ def test_reshuffle_steps(why, old, new, free, kept, expected):
 
 def test_an_engine_change_keeps_nothing_and_replaces_one_by_one():
     old = instances("p0@a:0 d0@a:1")
-    new = [make_instance("p0", "a", 0, engine="e2"), make_instance("d0", "a", 1, engine="e2")]
+    new = [make_instance("p0", "a", 0, engine_hash="e2"), make_instance("d0", "a", 1, engine_hash="e2")]
     result = plan_reshuffle(old, new, {"a": 0})
     assert result.kept == ()
     assert sequence(result) == ["drain p0", "delete p0", "create p0", "drain d0", "delete d0",

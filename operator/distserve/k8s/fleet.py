@@ -35,8 +35,8 @@ class Member:
 
     @property
     def name(self) -> str:
-        """The engine's instance name (the router's peer name)."""
-        return naming.engine_instance_name(self.revision_id, self.role, self.index)
+        """The instance name (`naming.instance_name`, the router's peer name)."""
+        return naming.instance_name(self.revision_id, self.role, self.index)
 
     @property
     def num_pods(self) -> int:
@@ -48,13 +48,14 @@ class Member:
         return {"revision": self.revision_id, "role": self.role, "index": self.index}
 
     def footprint(self, engine_hash: str) -> reshuffling.Instance:
-        """What the reshuffle planner compares: role, parallelism, GPUs, engine."""
+        """What the reshuffle planner compares: role, parallelism, GPUs, engine hash."""
         phase = self.plan.phase_of(self.role, self.index)  # type: ignore[arg-type]
         stages = tuple((s.node, tuple(s.gpu_ids))
                        for s in self.plan.segments_of(self.role, self.index))  # type: ignore[arg-type]
-        engine = engine_hash if self.revision is not None else f"stale-{self.revision_id}"
+        if self.revision is None:
+            engine_hash = f"stale-{self.revision_id}"
         return reshuffling.Instance(self.name, self.revision_id, self.role, self.index,
-                                    phase.tp, phase.pp, stages, engine)
+                                    phase.tp, phase.pp, stages, engine_hash)
 
     def objects(self, known_nodes: set[str]) -> list[dict[str, Any]]:
         """Its Service, PodGroup and pods as built now (none when it cannot be rebuilt)."""

@@ -24,12 +24,12 @@ def is_enabled(revision: naming.Revision) -> bool:
     return revision.spec.engine.gang_scheduling.enabled
 
 
-def pod_group_name(revision: naming.Revision, role: str, instance: int) -> str | None:
+def pod_group_name(revision: naming.Revision, role: str, index: int) -> str | None:
     """The PodGroup of an instance, or None when it needs none (one pod, or disabled)."""
-    phase = revision.plan.phase_of(role, instance)  # type: ignore[arg-type]
+    phase = revision.plan.phase_of(role, index)  # type: ignore[arg-type]
     if not is_enabled(revision) or phase.pp < 2:
         return None
-    return naming.instance_name(revision, role, instance)
+    return naming.instance_service_name(revision, role, index)
 
 
 def build_pod_groups(revision: naming.Revision) -> list[dict[str, Any]]:
@@ -37,12 +37,12 @@ def build_pod_groups(revision: naming.Revision) -> list[dict[str, Any]]:
     gang = revision.spec.engine.gang_scheduling
     groups = []
     for role in ("prefill", "decode"):
-        for instance in range(revision.plan.num_instances(role)):
-            phase = revision.plan.phase_of(role, instance)
-            name = pod_group_name(revision, role, instance)
+        for index in range(revision.plan.num_instances(role)):
+            phase = revision.plan.phase_of(role, index)
+            name = pod_group_name(revision, role, index)
             if name is None:
                 continue
-            labels = naming.worker_labels(revision, role, instance, None)
+            labels = naming.worker_labels(revision, role, index, None)
             groups.append({
                 "apiVersion": POD_GROUP_API,
                 "kind": "PodGroup",
@@ -53,10 +53,10 @@ def build_pod_groups(revision: naming.Revision) -> list[dict[str, Any]]:
     return groups
 
 
-def pod_fields(revision: naming.Revision, role: str, instance: int) -> tuple[dict[str, str], dict[str, Any]]:
+def pod_fields(revision: naming.Revision, role: str, index: int) -> tuple[dict[str, str], dict[str, Any]]:
     """(labels, pod spec fields) that put a worker pod under the gang scheduler."""
     if not is_enabled(revision):
         return {}, {}
-    name = pod_group_name(revision, role, instance)
+    name = pod_group_name(revision, role, index)
     labels = {POD_GROUP_LABEL: name} if name else {}
     return labels, {"schedulerName": revision.spec.engine.gang_scheduling.scheduler_name}

@@ -82,9 +82,10 @@ def engine_hash(spec: specs.DistServeDeploymentSpec) -> str:
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]
 
 
-def engine_instance_name(revision_id: str, role: str, instance: int) -> str:
-    """The instance's name in metrics, KV handles and the router's peer list."""
-    return f"{role}-{instance}-{revision_id}"
+def instance_name(revision_id: str, role: str, index: int) -> str:
+    """The name of a revision's `index`-th `role` instance: its engine's `--instance`, its
+    key in `serve.json`'s parallel, its name in metrics, KV handles and the router's peers."""
+    return f"{role}-{index}-{revision_id}"
 
 
 def object_name(*parts: str) -> str:
@@ -113,14 +114,14 @@ def engine_config_name(revision: Revision) -> str:
     return object_name(revision.owner.name, revision.id, "engine")
 
 
-def instance_name(revision: Revision, role: str, instance: int) -> str:
+def instance_service_name(revision: Revision, role: str, index: int) -> str:
     """The headless Service of one instance (its workers' DNS subdomain)."""
-    return object_name(revision.owner.name, revision.id, f"{role[0]}{instance}")
+    return object_name(revision.owner.name, revision.id, f"{role[0]}{index}")
 
 
-def pod_name(revision: Revision, role: str, instance: int, stage: int) -> str:
+def pod_name(revision: Revision, role: str, index: int, stage: int) -> str:
     """The pod running one segment (one pipeline stage) of one instance."""
-    return object_name(revision.owner.name, revision.id, f"{role[0]}{instance}", f"s{stage}")
+    return object_name(revision.owner.name, revision.id, f"{role[0]}{index}", f"s{stage}")
 
 
 def stage_hostname(stage: int) -> str:
@@ -147,13 +148,13 @@ def revision_labels(revision: Revision) -> dict[str, str]:
     }
 
 
-def worker_labels(revision: Revision, role: str, instance: int, stage: int | None) -> dict[str, str]:
+def worker_labels(revision: Revision, role: str, index: int, stage: int | None) -> dict[str, str]:
     """Labels of one instance's Service (stage None) or of one of its pods."""
     labels = {
         **revision_labels(revision),
         "app.kubernetes.io/component": role,
         ROLE_LABEL: role,
-        INSTANCE_LABEL: str(instance),
+        INSTANCE_LABEL: str(index),
     }
     if stage is not None:
         labels[STAGE_LABEL] = str(stage)

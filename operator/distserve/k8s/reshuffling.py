@@ -1,6 +1,6 @@
 """From the instances that run to the instances a new plan wants, without spare GPUs.
 
-A reshuffle keeps every instance the two sets share (same role, tp, pp, engine, and the
+A reshuffle keeps every instance the two sets share (same role, tp, pp, engine hash, and the
 same node and GPUs for every stage) untouched, and replaces the rest one at a time:
 - a new instance is created first wherever the node's free GPUs allow;
 - otherwise one old instance is drained (the router sends it nothing new, in-flight
@@ -34,19 +34,19 @@ class ReshuffleError(ValueError):
 class Instance:
     """One running or wanted instance: what it is (the key) and what it is called."""
 
-    name: str  # the engine's instance name, e.g. prefill-0-1a2b3c4d
+    name: str  # the instance name (`naming.instance_name`), e.g. prefill-0-1a2b3c4d
     revision: str
     role: str
     index: int  # its instance number within its revision's plan
     tp: int
     pp: int
     stages: tuple[tuple[str, tuple[int, ...]], ...]  # (node, GPU ids) per pipeline stage
-    engine: str  # what the pods run (model and engine settings), hashed
+    engine_hash: str  # what the pods run (the spec's model and engine sections), hashed
 
     @property
     def key(self) -> tuple:
         """Equal keys: the same instance, kept across plans."""
-        return (self.role, self.tp, self.pp, self.stages, self.engine)
+        return (self.role, self.tp, self.pp, self.stages, self.engine_hash)
 
     @property
     def node_to_gpus(self) -> Counter:

@@ -49,15 +49,15 @@ def instance_endpoints(revision: naming.Revision) -> list[dict[str, Any]]:
     for segment in sorted(plan.segments, key=lambda s: s.stage):
         key_to_nodes.setdefault((segment.role, segment.instance), []).append(segment.node)
     for role in ("prefill", "decode"):
-        for instance in range(plan.num_instances(role)):
-            phase = plan.phase_of(role, instance)
-            service = naming.instance_name(revision, role, instance)
+        for index in range(plan.num_instances(role)):
+            phase = plan.phase_of(role, index)
+            service = naming.instance_service_name(revision, role, index)
             host = f"{naming.stage_hostname(0)}.{service}.{owner.namespace}.svc"
             endpoints.append(
                 {
-                    "name": engine_instance_name(revision, role, instance),
+                    "name": naming.instance_name(revision.id, role, index),
                     "role": role,
-                    "instance": instance,
+                    "instance": index,
                     "revision": revision.id,
                     "url": f"http://{host}:{port}",
                     "stages": phase.pp,
@@ -65,23 +65,18 @@ def instance_endpoints(revision: naming.Revision) -> list[dict[str, Any]]:
                     # instance with the same nodes as a prefill instance pulls KV over
                     # the nodes' fast links (Algorithm 2, whose prefill and decode may
                     # have different numbers of stages on each node).
-                    "node": ",".join(dict.fromkeys(key_to_nodes.get((role, instance), []))),
+                    "node": ",".join(dict.fromkeys(key_to_nodes.get((role, index), []))),
                 }
             )
     return endpoints
 
 
-def engine_instance_name(revision: naming.Revision, role: str, instance: int) -> str:
-    """The instance's name in metrics, KV handles and the router's peer list."""
-    return naming.engine_instance_name(revision.id, role, instance)
-
-
 def build_serve_settings(revision: naming.Revision) -> ServeSettings:
     """The engine's settings document (the local launcher's, with in-pod paths): every
-    instance's tp and pp under its engine name, which its pods read (`instance/ranks.py`)."""
+    instance's tp and pp under its name, which its pods read (`instance/ranks.py`)."""
     plan, spec = revision.plan, revision.spec
     def name(role: str, index: int) -> str:
-        return engine_instance_name(revision, role, index)
+        return naming.instance_name(revision.id, role, index)
 
     return serve_settings(spec, instance_counts(spec, plan), revision.owner.name,
                           weights.model_path(spec), instance_parallel(spec, plan, name=name),
@@ -100,11 +95,11 @@ def build_engine_config_map_spec(revision: naming.Revision) -> dict[str, Any]:
         PLAN_FILE: json.dumps(plan_doc, indent=2, sort_keys=True)}}
 
 
-def build_instance_service_spec(revision: naming.Revision, role: str, instance: int) -> dict[str, Any]:
+def build_instance_service_spec(revision: naming.Revision, role: str, index: int) -> dict[str, Any]:
     """A headless Service through which the segments of one instance find each other."""
-    labels = naming.worker_labels(revision, role, instance, None)
+    labels = naming.worker_labels(revision, role, index, None)
     selector = {k: labels[k] for k in (naming.REVISION_LABEL, naming.ROLE_LABEL, naming.INSTANCE_LABEL)}
-    meta = naming.object_meta(revision.owner, naming.instance_name(revision, role, instance), labels)
+    meta = naming.object_meta(revision.owner, naming.instance_service_name(revision, role, index), labels)
     port = revision.spec.engine.port
     return {
         "apiVersion": "v1",
@@ -154,13 +149,13 @@ def build_worker_container(revision: naming.Revision, segment: SegmentPlacement)
     """The engine container of one segment; its arguments are the engine's contract."""
     engine = revision.spec.engine
     options = engine.options_for(segment.role)
-    service = naming.instance_name(revision, segment.role, segment.instance)
+    service = naming.instance_service_name(revision, segment.role, segment.instance)
     namespace = revision.owner.namespace
     own_url = f"http://{naming.stage_hostname(segment.stage)}.{service}.{namespace}.svc:{engine.port}"
     args = [
         "--config", f"{CONFIG_DIR}/{SETTINGS_FILE}",
         "--role", segment.role,
-        "--instance", engine_instance_name(revision, segment.role, segment.instance),
+        "--instance", naming.instance_name(revision.id, segment.role, segment.instance),
         "--stage", str(segment.stage),
         "--host", "0.0.0.0",
         "--port", str(engine.port),
@@ -213,7 +208,7 @@ def build_rendezvous_env(revision: naming.Revision, segment: SegmentPlacement) -
     """Where the torch.distributed rendezvous of this pod's instance listens (its stage
     0), in torch's own variables; the pod's stage is an argument (`--stage`), its tp and
     pp are in `serve.json` under the instance's name."""
-    service = naming.instance_name(revision, segment.role, segment.instance)
+    service = naming.instance_service_name(revision, segment.role, segment.instance)
     master = f"{naming.stage_hostname(0)}.{service}.{revision.owner.namespace}.svc"
     return [
         {"name": "MASTER_ADDR", "value": master},
@@ -223,10 +218,10 @@ def build_rendezvous_env(revision: naming.Revision, segment: SegmentPlacement) -
 
 def build_worker_pod_spec(revision: naming.Revision, segment: SegmentPlacement, known_nodes: set[str]) -> dict[str, Any]:
     """The pod of one segment, pinned per the plan. `known_nodes`: the cluster's node names."""
-    role, instance, stage = segment.role, segment.instance, segment.stage
+    role, index, stage = segment.role, segment.instance, segment.stage
     options = revision.spec.engine.options_for(role)
-    group_labels, group_fields = gang.pod_fields(revision, role, instance)
-    labels = {**naming.worker_labels(revision, role, instance, stage),
+    group_labels, group_fields = gang.pod_fields(revision, role, index)
+    labels = {**naming.worker_labels(revision, role, index, stage),
               PLANNED_NODE_LABEL: segment.node, **group_labels}
     # NOTE: the GPU ids are the plan's, for people reading the pod: the device plugin
     # chooses which of the node's GPUs the pod gets (it asks for `tp` of them); only
@@ -237,12 +232,12 @@ def build_worker_pod_spec(revision: naming.Revision, segment: SegmentPlacement, 
         **scraping.scrape_annotations(revision.spec.engine.port),
     }
     labels, annotations = pods.pod_metadata(options, labels, annotations)
-    name = naming.pod_name(revision, role, instance, stage)
+    name = naming.pod_name(revision, role, index, stage)
     meta = naming.object_meta(revision.owner, name, labels, annotations=annotations)
     is_gpu = not is_cpu_spec(revision.spec)
     pod_spec: dict[str, Any] = {
         "hostname": naming.stage_hostname(stage),
-        "subdomain": naming.instance_name(revision, role, instance),
+        "subdomain": naming.instance_service_name(revision, role, index),
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         "containers": [build_worker_container(revision, segment)],
@@ -266,22 +261,22 @@ def build_worker_pod_spec(revision: naming.Revision, segment: SegmentPlacement, 
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
-def build_instance_objects(revision: naming.Revision, role: str, instance: int,
+def build_instance_objects(revision: naming.Revision, role: str, index: int,
                            known_nodes: set[str]) -> list[dict[str, Any]]:
     """One instance's objects: its Service (and PodGroup), then its pods."""
     groups = [g for g in gang.build_pod_groups(revision)
-              if g["metadata"]["name"] == gang.pod_group_name(revision, role, instance)]
+              if g["metadata"]["name"] == gang.pod_group_name(revision, role, index)]
     worker_pods = [build_worker_pod_spec(revision, s, known_nodes)
-                   for s in revision.plan.segments_of(role, instance)]  # type: ignore[arg-type]
-    return [build_instance_service_spec(revision, role, instance), *groups, *worker_pods]
+                   for s in revision.plan.segments_of(role, index)]  # type: ignore[arg-type]
+    return [build_instance_service_spec(revision, role, index), *groups, *worker_pods]
 
 
 def build_revision_objects(revision: naming.Revision, known_nodes: set[str]) -> list[dict[str, Any]]:
     """Everything one revision runs on: config first, then Services (and PodGroups), then pods."""
     plan = revision.plan
     services = [
-        build_instance_service_spec(revision, role, instance)
-        for role in ("prefill", "decode") for instance in range(plan.num_instances(role))
+        build_instance_service_spec(revision, role, index)
+        for role in ("prefill", "decode") for index in range(plan.num_instances(role))
     ]
     worker_pods = [build_worker_pod_spec(revision, s, known_nodes) for s in plan.segments]
     return [build_engine_config_map_spec(revision), *services, *gang.build_pod_groups(revision),
