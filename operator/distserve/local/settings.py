@@ -47,7 +47,8 @@ def engine_device(spec: DistServeDeploymentSpec) -> str:
 
 
 def local_instance_name(role: str, index: int) -> str:
-    """The name of a role's `index`-th instance under `distserve up` (`prefill-0`)."""
+    """The instance name of a role's `index`-th instance under `distserve up` (`prefill-0`;
+    on Kubernetes `k8s.naming.instance_name` adds the revision)."""
     return f"{role}-{index}"
 
 
@@ -115,12 +116,13 @@ def engine_config(spec: DistServeDeploymentSpec, model_path: str) -> EngineConfi
                         seed=spec.planner.seed)
 
 
-def serve_settings(spec: DistServeDeploymentSpec, instances: dict[str, int], deployment: str,
+def serve_settings(spec: DistServeDeploymentSpec, role_to_count: dict[str, int], deployment: str,
                    model_path: str, parallel: dict[str, Parallelism] | None = None,
                    plan: Plan | None = None) -> ServeSettings:
-    """The settings of every process of this deployment (`parallel`: instance name -> tp,
-    pp, from `instance_parallel`; `plan`: the plan served, named in the metrics)."""
-    num_prefill = instances.get("prefill", 0) or instances.get("colocated", 1)
+    """The settings of every process of this deployment (`role_to_count`: instances per
+    role, from `instance_counts`; `parallel`: instance name -> tp, pp, from
+    `instance_parallel`; `plan`: the plan served, named in the metrics)."""
+    num_prefill = role_to_count.get("prefill", 0) or role_to_count.get("colocated", 1)
     return ServeSettings(
         engine=engine_config(spec, model_path),
         deployment=deployment,
@@ -130,7 +132,7 @@ def serve_settings(spec: DistServeDeploymentSpec, instances: dict[str, int], dep
         max_waiting_requests=DEFAULT_MAX_WAITING_PER_PREFILL * num_prefill,
         default_max_tokens=256,
         slo=Slo(spec.slo.ttft_seconds, spec.slo.tpot_seconds, spec.slo.attainment),
-        instances=dict(instances),
+        instances=dict(role_to_count),
         parallel=dict(parallel or {}),
         plan=plan_settings(plan) if plan is not None else None,
     )
@@ -140,8 +142,8 @@ def replanned_settings(settings: ServeSettings, spec: DistServeDeploymentSpec,
                        plan: Plan) -> ServeSettings:
     """The running deployment's settings moved to `plan`: its instances, parallelism and
     plan, and the waiting bound for its prefill count (engine, SLOs and the rest kept)."""
-    instances = instance_counts(spec, plan)
+    role_to_count = instance_counts(spec, plan)
     return dataclasses.replace(
-        settings, instances=instances, parallel=instance_parallel(spec, plan),
-        max_waiting_requests=DEFAULT_MAX_WAITING_PER_PREFILL * instances["prefill"],
+        settings, instances=role_to_count, parallel=instance_parallel(spec, plan),
+        max_waiting_requests=DEFAULT_MAX_WAITING_PER_PREFILL * role_to_count["prefill"],
         plan=plan_settings(plan))
