@@ -19,6 +19,20 @@ import math
 
 from distserve.simulator.timing import StageTimer
 
+MAX_BOUNDARY_SCAN = 4  # boundaries stepped over one by one before solving for the next
+
+
+class HeldTokens:
+    """The KV tokens an instance's lanes hold together (`DecodeRun.tokens_held` summed),
+    kept up to date by each run as it changes, so that a budget costs one subtraction
+    instead of a sum over pp lanes."""
+
+    __slots__ = ("total", "holding")
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.holding: DecodeRun | None = None  # held at a boundary by an admission (`hold_at`)
+
 
 def held_by_others(lanes, lane=None) -> int:
     """KV tokens the lanes other than `lane` hold (all of them for a newcomer, None)."""
@@ -32,8 +46,16 @@ def limit_runs(lanes, free_tokens: int) -> None:
     of free_tokens (the KV the lanes may hold together; `DecodeRun.limit`).
 
     NOTE: one running sum of what the lanes hold, not held_by_others per lane: that was
-    pp x pp calls per admission, most of a trial's time for a deep pipeline.
+    pp x pp calls per admission, most of a trial's time for a deep pipeline. A stepping
+    run ends within its budget as long as the lanes together hold no more than
+    free_tokens (it holds its own end's KV), so then only a run held at a boundary
+    (which holds less than its end) may be limited, and the other lanes are not visited.
     """
+    pool = lanes[0].run.pool if lanes else None
+    if pool is not None and pool.total <= free_tokens:
+        if pool.holding is not None:
+            pool.holding.limit(free_tokens - (pool.total - pool.holding.tokens_held()))
+        return
     held = sum(lane.run.tokens_held() for lane in lanes)
     for lane in lanes:
         mine = lane.run.tokens_held()
@@ -166,10 +188,10 @@ class DecodeRun:
 
     __slots__ = (
         "loop", "batch", "on_boundary", "is_stepping", "is_cut", "target_step", "version",
-        "decide_step",
+        "decide_step", "pool", "held", "_boundary",
     )
 
-    def __init__(self, loop, timer: StageTimer, on_boundary) -> None:
+    def __init__(self, loop, timer: StageTimer, on_boundary, pool: HeldTokens | None = None) -> None:
         self.loop = loop
         self.batch = DecodeBatch(timer)
         self.on_boundary = on_boundary
@@ -178,6 +200,10 @@ class DecodeRun:
         self.target_step = 0
         self.version = 0  # bumped to cancel a scheduled run end
         self.decide_step: int | None = None  # set while an admission decides mid-run
+        self.pool = pool  # where the instance's lanes sum what they hold (None: not summed)
+        self.held = 0  # tokens_held() as last added to pool (`sync`)
+        # (version, elapsed_s, steps, duration_s) of the last first_boundary_by answer
+        self._boundary: tuple[int, float, int, float] = (-1, 0.0, 0, 0.0)
 
     def start(self, budget_tokens: int) -> None:
         """Step from now to the next finish or the last step within budget_tokens (the
@@ -197,7 +223,7 @@ class DecodeRun:
         within = batch.steps_within(budget_tokens)
         if batch.step + within >= self.target_step:
             return  # the run fits as planned
-        steps = max(batch.steps_by(self.loop.now - batch.time_s), within)
+        steps = max(self.first_boundary_by(self.loop.now - batch.time_s)[0], within)
         if batch.step + steps < self.target_step:
             self._end_at(batch.step + steps, batch.time_s + batch.duration_s(steps))
 
@@ -213,6 +239,44 @@ class DecodeRun:
             return self.batch.context_at(self.target_step)
         return self.batch.total_context()
 
+    def sync(self) -> None:
+        """Bring the pool's sum up to date after the batch or the run changed."""
+        if self.pool is not None:
+            held = self.tokens_held()
+            self.pool.total += held - self.held
+            self.held = held
+
+    def hold_at(self, step: int | None) -> None:
+        """Hold the lane's context at boundary `step` while an admission decides (None:
+        the decision is over)."""
+        if self.pool is not None:
+            self.pool.holding = self if step is not None else None
+        self.decide_step = step
+        self.sync()
+
+    def first_boundary_by(self, elapsed_s: float) -> tuple[int, float]:
+        """(steps, their duration) of the first iteration boundary at least elapsed_s
+        into the current run (`DecodeBatch.steps_by`).
+
+        NOTE: remembered per run: the clock only moves on, so while the boundary found
+        last is still ahead it is still the first one (the batch is fixed while it
+        steps, and each run bumps the version).
+        """
+        version, seen_s, steps, duration_s = self._boundary
+        batch = self.batch
+        if version == self.version and seen_s <= elapsed_s:
+            # every boundary before the one found is before elapsed_s too: look on
+            for _ in range(MAX_BOUNDARY_SCAN):
+                if elapsed_s <= duration_s:
+                    self._boundary = (version, elapsed_s, steps, duration_s)
+                    return steps, duration_s
+                steps += 1
+                duration_s = batch.duration_s(steps)
+        steps = batch.steps_by(elapsed_s)
+        duration_s = batch.duration_s(steps)
+        self._boundary = (self.version, elapsed_s, steps, duration_s)
+        return steps, duration_s
+
     def cut_short(self) -> None:
         """End the current run at the first boundary at or after now."""
         if self.is_cut:
@@ -221,19 +285,22 @@ class DecodeRun:
             return
         self.is_cut = True
         batch = self.batch
-        steps = batch.steps_by(self.loop.now - batch.time_s)
+        steps, duration_s = self.first_boundary_by(self.loop.now - batch.time_s)
         if batch.step + steps < self.target_step:
-            self._end_at(batch.step + steps, batch.time_s + batch.duration_s(steps))
+            self._end_at(batch.step + steps, batch.time_s + duration_s)
 
     def _end_at(self, target_step: int, time_s: float) -> None:
         self.is_stepping = True
         self.target_step = target_step
         self.version += 1
         self.loop.at(time_s, self._end, self.version)
+        self.sync()
 
     def _end(self, version: int) -> None:
         if version != self.version:
             return  # cut short or superseded
         self.is_stepping = False
         batch = self.batch
-        self.on_boundary(batch.advance(self.target_step - batch.step, self.loop.now))
+        finished = batch.advance(self.target_step - batch.step, self.loop.now)
+        self.sync()
+        self.on_boundary(finished)

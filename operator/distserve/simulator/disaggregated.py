@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from distserve.simulator.batch import DecodeRun, held_by_others, limit_runs
+from distserve.simulator.batch import DecodeRun, HeldTokens, limit_runs
 from distserve.simulator.events import EventLoop
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
 from distserve.simulator.timing import InstanceModel
@@ -192,6 +192,7 @@ class _Decode:
         self.count = 0  # admitted and not finished or preempted
         self.is_decide_due = False  # an admission is scheduled at a lane's next boundary
         self.link_free_s = 0.0
+        self.held = HeldTokens()  # what the lanes hold together
         self.lanes = [_Lane(sim, self) for _ in range(inst.pp)]
         self.s_per_token = [
             transfer.seconds_per_token(p, idx, min(pp, inst.pp)) if transfer else 0.0
@@ -204,7 +205,8 @@ class _Decode:
 
     def budget_tokens(self, lane: _Lane | None = None) -> int:
         """KV tokens free for `lane`'s batch (for a newcomer when None)."""
-        return self.inst.kv_capacity_tokens - self.promised_tokens - held_by_others(self.lanes, lane)
+        others = self.held.total - (lane.run.held if lane is not None else 0)
+        return self.inst.kv_capacity_tokens - self.promised_tokens - others
 
     def kv_usage(self) -> float:
         """Share of KV held or promised, as the instance reports it."""
@@ -230,9 +232,9 @@ class _Decode:
             run, batch = lane.run, lane.run.batch
             if not run.is_stepping:
                 continue  # busy with a recompute: its end decides
-            steps = batch.steps_by(now - batch.time_s)
+            steps, duration_s = run.first_boundary_by(now - batch.time_s)
             if batch.step + steps < run.target_step:
-                time_s = batch.time_s + batch.duration_s(steps)
+                time_s = batch.time_s + duration_s
                 if best is None or time_s < best[0]:
                     best = (time_s, lane, run.version, batch.step + steps)
         if best is not None:
@@ -243,9 +245,9 @@ class _Decode:
         self.is_decide_due = False
         if lane.run.version != version:
             return  # the run ended meanwhile: its boundary admitted
-        lane.run.decide_step = step  # the lane holds its context at this boundary
+        lane.run.hold_at(step)  # the lane holds its context at this boundary
         self.try_admit()
-        lane.run.decide_step = None
+        lane.run.hold_at(None)
 
     def try_admit(self) -> None:
         """Admit the head of the queue while it fits: start its pull, or hand it to a
@@ -289,7 +291,7 @@ class _Lane:
 
     def __init__(self, sim: _Sim, decode: _Decode) -> None:
         self.sim, self.decode = sim, decode
-        self.run = DecodeRun(sim.loop, decode.inst.timer, self._boundary)
+        self.run = DecodeRun(sim.loop, decode.inst.timer, self._boundary, decode.held)
         self.joining: list[int] = []  # pulled, join at the next boundary
         self.recomputing: list[int] = []  # preempted and admitted again, prefill next
         self.is_busy = False  # a recompute prefill is running
@@ -328,11 +330,13 @@ class _Lane:
             batch.add(rid, sim.prompt[rid] + 1, sim.output[rid] - 1, sim.first_token_s[rid])
             decode.promised_tokens -= sim.prompt[rid] + 1
         self.joining.clear()
+        self.run.sync()
         budget = decode.budget_tokens(self)
         while batch.size and batch.total_context() > budget:  # the next step does not fit
             rid, held, steps_left, first_s = batch.preempt_newest()
             sim.held[rid], sim.steps_left[rid], sim.first_token_s[rid] = held, steps_left, first_s
             decode.preempted(rid)
+        self.run.sync()
         decode.try_admit()
         self.is_deciding = False
         if self.recomputing:
@@ -357,6 +361,7 @@ class _Lane:
                 decode.count -= 1
             else:
                 batch.add(rid, sim.held[rid] + 1, steps_left, sim.first_token_s[rid])
+        self.run.sync()
         self._boundary([])
 
 
