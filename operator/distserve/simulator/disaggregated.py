@@ -168,9 +168,12 @@ class _Prefill:
         self.held_tokens += total
         stage_s, handoff_s = self.inst.timer.prefill_batch_s(tuple(prompt[r] for r in rids))
         ready_s, free = loop.now, self.stage_free_s
-        for k in range(len(free)):
-            free[k] = max(ready_s, free[k]) + stage_s
-            ready_s = free[k] + handoff_s
+        for k, free_s in enumerate(free):  # each stage starts when it and the batch are free
+            if free_s < ready_s:
+                free_s = ready_s
+            free_s += stage_s
+            free[k] = free_s
+            ready_s = free_s + handoff_s
         loop.at(free[-1], self._done, rids)
         if queue:
             self.is_waking = True
