@@ -188,10 +188,11 @@ class DecodeRun:
 
     __slots__ = (
         "loop", "batch", "on_boundary", "is_stepping", "is_cut", "target_step", "version",
-        "decide_step", "pool", "held", "_boundary",
+        "decide_step", "pool", "held", "_boundary", "queue", "lane",
     )
 
-    def __init__(self, loop, timer: StageTimer, on_boundary, pool: HeldTokens | None = None) -> None:
+    def __init__(self, loop, timer: StageTimer, on_boundary, pool: HeldTokens | None = None,
+                 queue=None) -> None:
         self.loop = loop
         self.batch = DecodeBatch(timer)
         self.on_boundary = on_boundary
@@ -204,6 +205,8 @@ class DecodeRun:
         self.held = 0  # tokens_held() as last added to pool (`sync`)
         # (version, elapsed_s, steps, duration_s) of the last first_boundary_by answer
         self._boundary: tuple[int, float, int, float] = (-1, 0.0, 0, 0.0)
+        self.queue = queue  # a `boundaries.BoundaryQueue` told of every new run, or None
+        self.lane = queue.add(self) if queue is not None else -1
 
     def start(self, budget_tokens: int) -> None:
         """Step from now to the next finish or the last step within budget_tokens (the
@@ -295,6 +298,8 @@ class DecodeRun:
         self.version += 1
         self.loop.at(time_s, self._end, self.version)
         self.sync()
+        if self.queue is not None:
+            self.queue.changed(self.lane, self.version, self.loop.now)
 
     def _end(self, version: int) -> None:
         if version != self.version:

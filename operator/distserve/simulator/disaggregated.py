@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from distserve.simulator.batch import DecodeRun, HeldTokens, limit_runs
+from distserve.simulator.boundaries import BoundaryQueue
 from distserve.simulator.events import EventLoop
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
 from distserve.simulator.timing import InstanceModel
@@ -196,6 +197,7 @@ class _Decode:
         self.is_decide_due = False  # an admission is scheduled at a lane's next boundary
         self.link_free_s = 0.0
         self.held = HeldTokens()  # what the lanes hold together
+        self.boundaries = BoundaryQueue()  # where the lanes' next boundaries are
         self.lanes = [_Lane(sim, self) for _ in range(inst.pp)]
         self.s_per_token = [
             transfer.seconds_per_token(p, idx, min(pp, inst.pp)) if transfer else 0.0
@@ -230,19 +232,12 @@ class _Decode:
         # NOTE: between two finishes only growth changes, which never makes room, so
         # deciding again at every later step, as the engine does, would admit nothing.
         """
-        now, best = self.sim.loop.now, None
-        for lane in self.lanes:
-            run, batch = lane.run, lane.run.batch
-            if not run.is_stepping:
-                continue  # busy with a recompute: its end decides
-            steps, duration_s = run.first_boundary_by(now - batch.time_s)
-            if batch.step + steps < run.target_step:
-                time_s = batch.time_s + duration_s
-                if best is None or time_s < best[0]:
-                    best = (time_s, lane, run.version, batch.step + steps)
-        if best is not None:
+        # NOTE: a lane busy with a recompute is not stepping: its end decides
+        first = self.boundaries.first(self.sim.loop.now)
+        if first is not None:
+            time_s, run, version, step = first
             self.is_decide_due = True
-            self.sim.loop.at(best[0], self._decide, *best[1:])
+            self.sim.loop.at(time_s, self._decide, self.lanes[run.lane], version, step)
 
     def _decide(self, lane: _Lane, version: int, step: int) -> None:
         self.is_decide_due = False
@@ -294,7 +289,8 @@ class _Lane:
 
     def __init__(self, sim: _Sim, decode: _Decode) -> None:
         self.sim, self.decode = sim, decode
-        self.run = DecodeRun(sim.loop, decode.inst.timer, self._boundary, decode.held)
+        self.run = DecodeRun(sim.loop, decode.inst.timer, self._boundary, decode.held,
+                             decode.boundaries)
         self.joining: list[int] = []  # pulled, join at the next boundary
         self.recomputing: list[int] = []  # preempted and admitted again, prefill next
         self.is_busy = False  # a recompute prefill is running
