@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from distserve.simulator.batch import DecodeRun, HeldTokens, limit_runs
 from distserve.simulator.boundaries import BoundaryQueue
@@ -47,6 +48,7 @@ from distserve.simulator.timing import InstanceModel
 from distserve_engine import policy
 
 RECOMPUTE = -2  # in a decode instance's queue: a preempted request, to prefill again there
+_UNPREFILLED = attrgetter("unprefilled_tokens")
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ class _Sim:
         if self.prefills:
             prefills = self.prefills
             if len(prefills) > 1:
-                prefills = [min(prefills, key=lambda p: p.unprefilled_tokens)]
+                prefills = [min(prefills, key=_UNPREFILLED)]
             prefills[0].enqueue(rid)
         else:  # decode-only trial: the request comes prefilled, first token at arrival
             self.first_token_s[rid] = self.loop.now
@@ -221,7 +223,7 @@ class _Decode:
         """Queue a prefilled request; it is admitted now if a lane is idle, else at the
         next iteration boundary (the engine decides between two steps)."""
         self.pending.append((rid, prefill_idx))
-        if any(lane.is_idle() for lane in self.lanes):
+        if any(map(_Lane.is_idle, self.lanes)):
             self.try_admit()
         elif not self.is_decide_due:
             self._decide_at_next_boundary()
@@ -271,7 +273,7 @@ class _Decode:
 
     def _least_loaded_lane(self) -> _Lane:
         lanes = self.lanes
-        return lanes[0] if len(lanes) == 1 else min(lanes, key=lambda lane: lane.load())
+        return lanes[0] if len(lanes) == 1 else min(lanes, key=_Lane.load)
 
     def _arrived(self, rid: int, p: int) -> None:
         if p >= 0:
