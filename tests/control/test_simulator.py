@@ -168,3 +168,26 @@ def test_kv_that_runs_out_preempts_and_every_request_still_finishes(pp):
     for result in results:
         assert result.num_preemptions > 0
         assert not np.isnan(result.tpot_s).any()
+
+
+@pytest.mark.parametrize(("pp", "kv_capacity_tokens", "expected"), [
+    (8, 6000, (63, 303.5099972687562, 1.135139950585926, 70.32459214175074)),
+    (4, 20000, (58, 47.308490496353116, 0.19375772558143903, 21.842807382740194)),
+])
+def test_deep_decode_pipelines_short_of_kv_keep_their_results(pp, kv_capacity_tokens, expected):
+    # Two prefill and two decode instances whose pp lanes share too little KV: lanes limit
+    # each other's runs, admissions wait for a lane's next boundary, requests are preempted.
+    # The figures were simulated before the lanes kept one running sum of the KV they hold
+    # and a queue of their next boundaries; those are bookkeeping, so nothing may move.
+    trace = make_trace(300, 40.0, seed=5)
+    result = simulate_disaggregated(
+        trace, [make_instance(pp=2), make_instance(pp=2)],
+        [make_instance(pp=pp, kv_capacity_tokens=kv_capacity_tokens, handoff_s=0.001)] * 2,
+        transfer=TransferModel(1000.0, 1e9), max_decode_batch=48,
+    )
+    preemptions, tpot_sum_s, tpot_p90_s, duration_s = expected
+    assert not np.isnan(result.tpot_s).any()  # every request finishes
+    assert result.num_preemptions == preemptions
+    assert float(np.sum(result.tpot_s)) == pytest.approx(tpot_sum_s, rel=1e-9)
+    assert float(np.percentile(result.tpot_s, 90)) == pytest.approx(tpot_p90_s, rel=1e-9)
+    assert result.duration_s == pytest.approx(duration_s, rel=1e-9)
