@@ -49,8 +49,8 @@ status says), `client` (the API), `planning`, `applying`, `reconciling`, `reshuf
   Objects of a revision no live instance comes from are removed at once.
 - Pipeline stages: the pods of one instance share the headless Service
   `<name>-<revision>-{p,d}{i}`; stage S is `sS.<service>.<ns>.svc`. Each pod reads its
-  instance's tp and pp from the revision's `serve.json` (`parallel`, under the engine
-  instance name of its `--instance`) and its stage from `--stage`, and gets `MASTER_ADDR`
+  instance's tp and pp from the revision's `serve.json` (`parallel`, under its instance
+  name, `naming.instance_name`, which is its `--instance`) and its stage from `--stage`, and gets `MASTER_ADDR`
   (stage 0) and `MASTER_PORT` (29500) for a torch.distributed rendezvous, plus `DISTSERVE_DEPLOYMENT`, `DISTSERVE_REVISION`, `DISTSERVE_DEVICE`,
   `POD_NAME`, `POD_NAMESPACE`, `NODE_NAME`, HOME and cache folders on scratch
   volumes, and the role's `env`.
