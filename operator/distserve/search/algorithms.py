@@ -88,8 +88,12 @@ def phase_table(
 ) -> dict[tuple[str, Config], Goodput]:
     """Goodput of every (phase, config) alone, simulated in parallel."""
     keys = [(phase, c) for c in sorted(set(configs)) for phase in ("prefill", "decode")]
-    results = pmap(phase_goodput, [(ctx, phase, c) for phase, c in keys])
-    return dict(zip(keys, results, strict=True))
+    # NOTE: the deepest pipelines first: theirs are the longest trials, and started last
+    # they would leave one worker running while the others wait
+    order = sorted(keys, key=lambda key: -key[1].pp)
+    results = pmap(phase_goodput, [(ctx, phase, c) for phase, c in order])
+    key_to_goodput = dict(zip(order, results, strict=True))
+    return {key: key_to_goodput[key] for key in keys}
 
 
 def best_phase_attainment(table: dict[tuple[str, Config], Goodput]) -> float:
