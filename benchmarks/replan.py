@@ -101,7 +101,7 @@ def main() -> None:
     for k in range(num_intervals):
         start_s, end_s = k * args.interval_s, (k + 1) * args.interval_s
         if k > 0:
-            move(strategies, traffic, start_s, settings, evaluator, max_len, spec)
+            move(strategies, traffic, start_s, settings, evaluator, max_len, spec, args.verbose)
         for s in strategies:
             serve(s, traffic, start_s, end_s, truth)
         print_interval(k, start_s, args.interval_s, day_s, traffic, strategies)
@@ -113,7 +113,8 @@ def main() -> None:
         plot(args.plot, strategies, args.interval_s, spec.slo.attainment)
 
 
-def move(strategies, traffic: Traffic, now_s: float, settings, evaluator, max_len, spec) -> None:
+def move(strategies, traffic: Traffic, now_s: float, settings, evaluator, max_len, spec,
+         verbose: bool = False) -> None:
     """Each adaptive strategy looks at the last window and may change its plan."""
     seen = {}
     for s in strategies:
@@ -131,8 +132,10 @@ def move(strategies, traffic: Traffic, now_s: float, settings, evaluator, max_le
             decision = decide(seen_obs, s.plan, settings, s.state, evaluator)
             s.state = decision.state
             new = decision.plan if decision.action == "replan" else None
-            if decision.action != "keep" or decision.kind:
-                print(f"    (c) {decision.action} {decision.kind or ''}: {decision.reason}")
+            if decision.action != "keep" or decision.kind or verbose:
+                n = decision.numbers
+                sized = f" [sized {n.sized_rate_rps:.2f} req/s]" if n.sized_rate_rps else ""
+                print(f"    (c) {decision.action} {decision.kind or ''}: {decision.reason}{sized}")
         if new is not None:
             serving, duration_s, held = transition(s.plan, new, 32, settings.reload_seconds)
             s.transition, s.transition_until_s, s.transition_gpus = (
@@ -299,6 +302,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--true-decode-factor", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, help="write a PNG of attainment and GPUs")
+    parser.add_argument("--verbose", action="store_true", help="print every decision of (c)")
     return parser.parse_args()
 
 

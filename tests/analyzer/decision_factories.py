@@ -74,9 +74,11 @@ class FakeEvaluator:
 
     attainment_target = 0.9
 
-    def __init__(self, per_gpu_rps: float = 0.5, fitted: Correction | None = None) -> None:
+    def __init__(self, per_gpu_rps: float = 0.5, fitted: Correction | None = None,
+                 free: int | None = None) -> None:
         self.per_gpu_rps = per_gpu_rps
         self.fitted = fitted
+        self.free = free  # GPUs a plan leaves free (None: unknown)
         self.searches = 0
 
     def best_shape(self, observation: Observation):
@@ -107,3 +109,6 @@ class FakeEvaluator:
 
     def scale(self, plan, observation, rate_rps, correction) -> Plan | None:
         return self._sized(shape_of(plan), observation, rate_rps)
+
+    def free_gpus(self, plan) -> int | None:
+        return self.free

@@ -107,16 +107,42 @@ def test_a_miss_moves_in_the_cooldown():
     assert shape_of(decisions[2].plan) == LONG_SHAPE
 
 
-def test_a_rising_rate_is_sized_from_the_window_recent_part():
+def test_a_rising_rate_is_sized_for_where_its_trend_leads():
     evaluator = FakeEvaluator()  # 16 GPUs serve 8 req/s
     state = DecisionState(reference=make_observation(900, 4.0, seed=1))
     flat = make_observation(1200, 4.0, seed=2)
     assert decide(flat, make_plan(copies=2), make_settings(), state, evaluator).action == "keep"
-    recent = replace(flat, window_s=300.0, num_requests=2400, arrival_rate_rps=8.0)
-    rising = replace(flat, recent=recent)  # 1.2 x 8 req/s is more than 16 GPUs hold
+    # 4 req/s over the window, 5 over its last third: 3.5 over the first two thirds. The
+    # trend, 1.5 req/s per half window, is carried from the last third's midpoint (150 s
+    # before the end) to the horizon (interval 300 s + reload 180 s after it): 1.4 half
+    # windows, so 5 + 1.4 x 1.5 = 7.1 req/s; 1.2 x 7.1 is more than 16 GPUs hold.
+    recent = replace(flat, window_s=300.0, num_requests=1500, arrival_rate_rps=5.0)
+    rising = replace(flat, recent=recent)
     decision = decide(rising, make_plan(copies=2), make_settings(), state, evaluator)
-    assert decision.numbers.sized_rate_rps == pytest.approx(9.6)
+    assert decision.numbers.forecast_rate_rps == pytest.approx(7.1)
+    assert decision.numbers.sized_rate_rps == pytest.approx(1.2 * 7.1)
     assert decision.action == "replan" and decision.plan.num_gpus > 16
+    # The same last third within Poisson noise of the rest is no trend: sized as it is.
+    noisy = replace(flat, recent=replace(recent, num_requests=1230, arrival_rate_rps=4.1))
+    decision = decide(noisy, make_plan(copies=2), make_settings(), state, evaluator)
+    assert decision.numbers.forecast_rate_rps == pytest.approx(4.1)
+    assert decision.action == "keep"
+
+
+def test_a_shortfall_only_at_the_sized_rate_does_not_drain_serving_instances():
+    # 16 GPUs serve 8 req/s: 7.5 req/s is met now, 1.2 x 7.5 = 9 is a shortfall ahead.
+    state = DecisionState(reference=make_observation(900, 7.5, seed=1))
+    window = make_observation(1200, 7.5, seed=2, attainment=0.97)
+    plan = make_plan(copies=2)
+    no_room = decide(window, plan, make_settings(), state, FakeEvaluator(free=0))
+    assert no_room.action == "keep"
+    assert "meets the target at the present 7.50 req/s" in no_room.reason
+    assert "drain instances that serve now (0 GPUs free)" in no_room.reason
+    room = decide(window, plan, make_settings(), state, FakeEvaluator(free=8))
+    assert room.action == "replan" and room.plan.num_gpus == 24  # one more copy, on free GPUs
+    observed_miss = replace(window, attainment=0.6)  # a miss seen now may drain
+    seen = decide(observed_miss, plan, make_settings(), state, FakeEvaluator(free=0))
+    assert seen.action == "replan" and "observed attainment 60.0%" in seen.reason
 
 
 def test_a_window_holding_a_reshuffle_is_not_judged_on_its_attainment():

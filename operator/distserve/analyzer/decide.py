@@ -7,13 +7,13 @@ once per interval and pass back the `DecisionState` it returns. In order:
 1. too few requests in the window, or no length histogram: no decision;
 2. the latency model is corrected: per-phase factors fitted on this window (unless a
    reshuffle fell inside it) are blended into the running correction;
-3. the current plan is simulated on the observed workload at the sized rate: the
-   window's rate or, when higher, its recent rate (the last third of the window, where
-   a rising rate is now), times `headroom`; when the last third's length mix shifted
-   from the window's (a shift under way), its lengths are the workload; a trigger is a predicted or observed miss
-   of the attainment target, or a shift of rate or length mix against the window the
-   plan was last checked for (a predicted miss counts only when the model also
-   reproduces the observed attainment);
+3. the current plan is simulated on the traffic ahead (`forecast.py`: the window's
+   trend carried to the end of the horizon a plan chosen now serves, an interval and a
+   weight loading ahead) at the sized rate: the window's rate or, when higher, the
+   forecast one, times `headroom`; a trigger is a predicted or observed miss of the
+   attainment target, or a shift of rate or length mix against the window the plan was
+   last checked for (a predicted miss counts only when the model also reproduces the
+   observed attainment);
 4. hysteresis, as autoscalers scale up at once and down slowly: a shift must persist
    for `holdSeconds` and waits out `cooldownSeconds` after the last reshuffle; a miss
    waits for neither (requests are failing now); a window that holds a reshuffle is
@@ -22,7 +22,10 @@ once per interval and pass back the `DecisionState` it returns. In order:
 5. two candidates, the current shape with more or fewer copies (`scale`) and the
    search's plan (`search`), are simulated on the same workload; the cheapest that
    meets the target wins. A miss moves to it; otherwise it must save `minGain` of the
-   GPUs, and more GPU-seconds over the cooldown than its weight loading costs.
+   GPUs, and more GPU-seconds over the cooldown than its weight loading costs. A
+   shortfall only at the sized rate (the plan is seen or predicted to meet the target
+   at the present rate) moves only to a plan whose new instances start on free GPUs:
+   draining instances that serve now would cause the miss it means to prevent.
 The decision says which kind of change (replicas, ratio, parallelism) and why.
 """
 
@@ -33,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, Protocol
 
+from distserve.analyzer.forecast import Forecast, forecast
 from distserve.analyzer.observation import LengthFit, Observation, PhaseObservation
 from distserve.analyzer.replan import Prediction
 from distserve.analyzer.scaling import ChangeKind, change_kind, ratio_text, started_gpus
@@ -70,6 +74,10 @@ class PlanEvaluator(Protocol):
         """The current shape with as many copies as rate_rps needs."""
         ...
 
+    def free_gpus(self, plan: Plan) -> int | None:
+        """GPUs of the budget or the cluster that the plan leaves free; None: unknown."""
+        ...
+
 
 @dataclass(frozen=True)
 class DecisionNumbers:
@@ -78,7 +86,8 @@ class DecisionNumbers:
     num_requests: int
     observed_rate_rps: float
     observed_attainment: float | None = None
-    sized_rate_rps: float | None = None  # observed (or recent) rate x headroom: what plans must serve
+    sized_rate_rps: float | None = None  # observed (or forecast) rate x headroom: what plans must serve
+    forecast_rate_rps: float | None = None  # the rate at the end of the horizon (`forecast.py`)
     predicted_attainment: float | None = None  # the current plan at sized_rate_rps
     new_attainment: float | None = None  # the chosen candidate at sized_rate_rps
     current_gpus: int | None = None
@@ -188,12 +197,14 @@ def decide(
                          observation)
     now_s = observation.end_s
     state = replace(state, correction=_corrected(state, plan, observation, settings, evaluator))
-    sized_rps = max(observation.arrival_rate_rps, observation.recent_rate_rps or 0.0) * (
-        settings.headroom)
-    ahead = _ahead(observation, thresholds)
+    traffic_ahead = forecast(
+        observation, settings.interval_seconds + settings.reload_seconds, thresholds)
+    sized_rps = max(observation.arrival_rate_rps, traffic_ahead.rate_rps) * settings.headroom
+    ahead = traffic_ahead.workload
     predicted = evaluator.predict(plan, ahead, sized_rps, state.correction)
     numbers = replace(
-        numbers, sized_rate_rps=sized_rps, predicted_attainment=predicted.attainment,
+        numbers, sized_rate_rps=sized_rps, forecast_rate_rps=traffic_ahead.rate_rps,
+        predicted_attainment=predicted.attainment,
         prefill_factor=state.correction.prefill_factor,
         decode_factor=state.correction.decode_factor,
     )
@@ -227,28 +238,35 @@ def decide(
         return _decision("keep", f"{trigger}, seen for {now_s - since_s:.0f} s of the "
                          f"{settings.hold_seconds:.0f} s hold", numbers, state, observation,
                          verdict=verdict)
-    return _choose(observation, ahead, plan, settings, state, evaluator, verdict, miss, numbers)
+    present_rps = _shortfall_only(observation, observed, miss, plan, traffic_ahead, state,
+                                  evaluator)
+    return _choose(observation, ahead, plan, settings, state, evaluator, verdict, miss, numbers,
+                   present_rps)
 
 
-def _ahead(observation: Observation, thresholds: ShiftThresholds | None) -> Observation:
-    """The workload plans are judged on: the window's, or, when the window's last third
-    has a length mix shifted from the whole window's (a shift under way), the window with
-    the last third's lengths: where the mix is now, not where it was on average."""
-    recent = observation.recent
-    if recent is None or recent.prompt is None or recent.output is None:
-        return observation
-    if not is_shifted(observation, recent, thresholds).is_mix_shifted:
-        return observation
-    return replace(observation, prompt=recent.prompt, output=recent.output)
+def _shortfall_only(
+    observation: Observation, observed: float | None, miss: str | None, plan: Plan,
+    traffic_ahead: Forecast, state: DecisionState, evaluator: PlanEvaluator,
+) -> float | None:
+    """The present rate when the miss is only a shortfall at the sized rate: not observed,
+    and the plan is predicted to meet the target at the present rate (the window's or the
+    recent one, without headroom or trend) on the lengths ahead; else None."""
+    target = evaluator.attainment_target
+    if miss is None or (observed is not None and observed < target):
+        return None
+    present_rps = max(observation.arrival_rate_rps, observation.recent_rate_rps or 0.0)
+    present = evaluator.predict(plan, traffic_ahead.workload, present_rps, state.correction)
+    return present_rps if present.attainment >= target else None
 
 
 def _choose(
     observation: Observation, ahead: Observation, plan: Plan, settings: ReplanningSpec,
     state: DecisionState, evaluator: PlanEvaluator, verdict: ShiftVerdict, miss: str | None,
-    numbers: DecisionNumbers,
+    numbers: DecisionNumbers, present_rps: float | None = None,
 ) -> Decision:
     """Simulate the candidates on the workload ahead and move to the best, or keep (the
-    trigger then resets)."""
+    trigger then resets). With `present_rps` (a shortfall only at the sized rate), only
+    candidates whose new instances start on free GPUs count."""
     rate, correction, target = numbers.sized_rate_rps, state.correction, evaluator.attainment_target
     candidates = [
         (candidate, evaluator.predict(candidate, ahead, rate, correction))
@@ -259,6 +277,15 @@ def _choose(
         if candidate is not None and change_kind(plan, candidate) is not None
     ]
     settled = replace(state, reference=observation, trigger_since_s=None)
+    if present_rps is not None:
+        free = evaluator.free_gpus(plan)
+        beside = [(c, p) for c, p in candidates if free is None or started_gpus(plan, c) <= free]
+        if candidates and not beside:
+            return _decision(
+                "keep", f"{miss}, but the plan meets the target at the present "
+                f"{present_rps:.2f} req/s and every better plan would drain instances that "
+                f"serve now ({free} GPUs free)", numbers, settled, observation, verdict=verdict)
+        candidates = beside
     meeting = [(c, p) for c, p in candidates if p.attainment >= target]
     if meeting:
         best, best_prediction = min(meeting, key=lambda cp: (cp[0].num_gpus, started_gpus(plan, cp[0])))

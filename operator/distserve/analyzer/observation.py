@@ -62,7 +62,8 @@ class Observation:
     phases: dict[str, PhaseObservation] = field(default_factory=dict)  # "prefill", "decode"
     plan_id: str | None = None  # the plan the deployment served under (distserve_plan_info)
     # The window's last third (arrivals and lengths only): where a rising rate or a shift
-    # of the length mix under way is now, which the whole window's figures lag.
+    # of the length mix under way is now; against the rest of the window, its trend
+    # (`forecast.py`).
     recent: Observation | None = None
 
     @property

@@ -223,6 +223,12 @@ class SearchEvaluator:
             copies = max(copies + 1, math.ceil(copies * GROWTH_FACTOR))
         return best
 
+    def free_gpus(self, plan: Plan) -> int | None:
+        """GPUs of the budget (or the cluster, when smaller) that the plan leaves free."""
+        cluster = len(self.node_names) * self.gpus_per_node
+        budget = cluster if self.max_gpus is None else min(cluster, self.max_gpus)
+        return max(0, budget - plan.num_gpus)
+
     def _placed(self, plan: Plan, unit: Unit, copies: int) -> Plan | None:
         if self.max_gpus is not None and copies * unit.num_gpus > self.max_gpus:
             return None

@@ -1,0 +1,109 @@
+"""Where the traffic will be while a plan chosen now serves: the window's trend carried forward.
+
+A plan chosen at the end of a window serves from when its weights have loaded until the
+next decision can correct it, `intervalSeconds + reloadSeconds` ahead. Judging it on
+the window alone lags a rising rate or a length mix under way by half a window; the
+observation also holds the window's last third (`recent`), and the rest of the window is
+its older part. Their midpoints are half a window apart, so their difference per half
+window is the trend, and carried from the recent midpoint to the end of the horizon it
+gives the traffic there:
+- the rate, when the older and the recent rate differ significantly (the shift test's
+  rate test, so Poisson noise is no trend); never below the recent rate nor above
+  `MAX_RATE_GROWTH` times it;
+- the lengths: the recent part's, where the mix is now (a plan sized on the window's
+  average mix can sit on a cliff the recent mix is already past); when the recent mix
+  differs from the window's (the shift test, with `TREND_THRESHOLDS`: significant, and
+  the mean moved by 5%), each histogram bucket's share carried forward the same way and
+  fitted as the observation's own histograms are. A mix moving from one workload to
+  another is a mixture whose weight moves; carried past the point where a bucket the
+  old workload held runs empty it would invent a workload heavier than the new one, so
+  the carry stops there (buckets of under `MIN_BUCKET_SHARE` of the older part are
+  noise and do not stop it). The window's lengths stand when the recent part holds
+  fewer than `MIN_RECENT_REQUESTS`.
+The extrapolation is at most `MAX_STEPS` half windows: past that a trend is a guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from distserve.analyzer.fit import fit_lengths
+from distserve.analyzer.observation import LengthFit, Observation
+from distserve.analyzer.shift import ShiftThresholds, is_shifted, rate_p_value
+
+MAX_STEPS = 1.5  # half windows a trend is carried past the recent part's midpoint
+MAX_RATE_GROWTH = 2.0  # the forecast rate is at most this times the recent rate
+MIN_RECENT_REQUESTS = 100  # fewer in the recent part: its lengths are too noisy to use
+TREND_THRESHOLDS = ShiftThresholds(min_mean_change=0.05)  # a mix trend worth carrying
+MIN_BUCKET_SHARE = 0.02  # an older bucket's share below this does not limit the carry
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """The traffic at the end of the horizon, and what it was carried from."""
+
+    rate_rps: float  # arrivals per second (the recent rate when no trend is significant)
+    workload: Observation  # the observation with the lengths ahead (its own when no mix shift)
+    steps: float  # half windows carried past the recent midpoint (0: no recent part)
+    is_rate_trend: bool
+    is_mix_trend: bool
+
+
+def forecast(
+    observation: Observation, horizon_s: float, thresholds: ShiftThresholds | None = None,
+) -> Forecast:
+    """The traffic `horizon_s` after the window's end (see the module docstring)."""
+    recent = observation.recent
+    if recent is None or recent.window_s <= 0 or recent.window_s >= observation.window_s:
+        return Forecast(observation.arrival_rate_rps, observation, 0.0, False, False)
+    thresholds = thresholds or ShiftThresholds()
+    older = _older_part(observation, recent)
+    half_window_s = observation.window_s / 2  # the two parts' midpoints are this far apart
+    steps = min(MAX_STEPS, (recent.window_s / 2 + max(0.0, horizon_s)) / half_window_s)
+    rate_rps = recent.arrival_rate_rps
+    p_value = rate_p_value(older, recent)
+    is_rate_trend = p_value is not None and p_value < thresholds.p_value
+    if is_rate_trend:
+        carried = rate_rps + (rate_rps - older.arrival_rate_rps) * steps
+        rate_rps = min(max(carried, rate_rps), MAX_RATE_GROWTH * rate_rps)
+    workload, is_mix_trend = observation, False
+    if (recent.prompt is not None and recent.output is not None
+            and recent.num_requests >= MIN_RECENT_REQUESTS):
+        prompt, output = recent.prompt, recent.output
+        if is_shifted(observation, recent, TREND_THRESHOLDS).is_mix_shifted:
+            prompt = _carried(observation.prompt, recent.prompt, steps)
+            output = _carried(observation.output, recent.output, steps)
+            is_mix_trend = True
+        workload = replace(observation, prompt=prompt, output=output)
+    return Forecast(rate_rps, workload, steps, is_rate_trend, is_mix_trend)
+
+
+def _older_part(observation: Observation, recent: Observation) -> Observation:
+    """The window less its recent part: arrivals and rate only (lengths: `_carried`)."""
+    window_s = observation.window_s - recent.window_s
+    num = max(0, observation.num_requests - recent.num_requests)
+    return Observation(end_s=observation.end_s - recent.window_s, window_s=window_s,
+                       num_requests=num, arrival_rate_rps=num / window_s,
+                       arrival_cv=observation.arrival_cv, prompt=None, output=None)
+
+
+def _carried(window: LengthFit | None, recent: LengthFit, steps: float) -> LengthFit:
+    """The recent histogram's bucket shares carried `steps` half windows along their trend
+    from the older part's shares; the recent fit when the histograms do not line up."""
+    if window is None or window.bucket_upper_tokens != recent.bucket_upper_tokens:
+        return recent
+    recent_counts = np.asarray(recent.bucket_counts, dtype=float)
+    older_counts = np.maximum(np.asarray(window.bucket_counts, dtype=float) - recent_counts, 0.0)
+    if recent_counts.sum() <= 0 or older_counts.sum() <= 0:
+        return recent
+    recent_share = recent_counts / recent_counts.sum()
+    older_share = older_counts / older_counts.sum()
+    trend = recent_share - older_share
+    emptying = (trend < 0) & (older_share >= MIN_BUCKET_SHARE)
+    if np.any(emptying):  # the carry stops where the first such bucket runs empty
+        steps = min(steps, float(np.min(recent_share[emptying] / -trend[emptying])))
+    ahead = np.maximum(recent_share + trend * steps, 0.0)
+    counts = ahead / ahead.sum() * recent_counts.sum()  # as many requests as the recent part
+    return fit_lengths(recent.bucket_upper_tokens, counts) or recent

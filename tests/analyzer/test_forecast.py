@@ -1,0 +1,88 @@
+"""The traffic ahead: a window's trend (its older part against its last third) carried to
+the end of the horizon a plan chosen now serves."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from decision_factories import length_fit
+
+from distserve.analyzer.forecast import MAX_RATE_GROWTH, MIN_RECENT_REQUESTS, forecast
+from distserve.analyzer.observation import Observation
+from distserve.workload import load_lengths
+
+WINDOW_S, RECENT_S = 900.0, 300.0
+
+
+def lengths(dataset: str, num: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    sample = load_lengths(dataset)
+    pick = np.random.default_rng(seed).integers(0, len(sample), num)
+    return sample.prompt_tokens[pick], sample.output_tokens[pick]
+
+
+def window(older: list[tuple[np.ndarray, np.ndarray]], recent: list[tuple[np.ndarray, np.ndarray]]
+           ) -> Observation:
+    """A window of these requests (prompt, output arrays per part), its last third `recent`."""
+    def observed(parts, window_s: float, inner: Observation | None = None) -> Observation:
+        prompts = np.concatenate([p for p, _ in parts])
+        outputs = np.concatenate([o for _, o in parts])
+        return Observation(
+            end_s=WINDOW_S, window_s=window_s, num_requests=len(prompts),
+            arrival_rate_rps=len(prompts) / window_s, arrival_cv=1.0,
+            prompt=length_fit(prompts), output=length_fit(outputs), recent=inner)
+
+    return observed([*older, *recent], WINDOW_S, observed(recent, RECENT_S))
+
+
+def test_a_steady_window_is_carried_as_it_is_now():
+    steady = window([lengths("chatbot", 2400, 1)], [lengths("chatbot", 1200, 2)])
+    ahead = forecast(steady, horizon_s=480)
+    assert not ahead.is_rate_trend and not ahead.is_mix_trend
+    assert ahead.rate_rps == pytest.approx(4.0)  # the last third's rate
+    assert ahead.workload.prompt is steady.recent.prompt  # the lengths of now, not carried
+    assert ahead.workload.arrival_rate_rps == steady.arrival_rate_rps
+    few = replace(steady, recent=replace(steady.recent, num_requests=MIN_RECENT_REQUESTS - 1))
+    assert forecast(few, horizon_s=480).workload is few  # too few to fit: the window's
+
+
+def test_a_rising_rate_is_carried_forward_and_capped():
+    rising = window([lengths("chatbot", 1800, 1)], [lengths("chatbot", 1500, 2)])  # 3 -> 5 req/s
+    ahead = forecast(rising, horizon_s=480)
+    # midpoints half a window (450 s) apart; 150 s + 480 s past the recent one: 1.4 steps
+    assert ahead.is_rate_trend and ahead.steps == pytest.approx(1.4)
+    assert ahead.rate_rps == pytest.approx(5.0 + 1.4 * 2.0)
+    far = forecast(rising, horizon_s=10_000)  # the steps are capped, then the growth
+    assert far.steps == pytest.approx(1.5) and far.rate_rps <= MAX_RATE_GROWTH * 5.0
+    falling = window([lengths("chatbot", 3000, 1)], [lengths("chatbot", 900, 2)])
+    assert forecast(falling, horizon_s=480).rate_rps == pytest.approx(3.0)  # never below now
+
+
+def test_a_length_mix_under_way_is_carried_past_where_it_is_now():
+    # chatbot for two thirds, then half summarization: the mix moves toward long prompts
+    code_then_summaries = window(
+        [lengths("chatbot", 2400, 1)],
+        [lengths("chatbot", 600, 2), lengths("summarization", 600, 3)])
+    ahead = forecast(code_then_summaries, horizon_s=480)
+    assert ahead.is_mix_trend
+    recent_mean = code_then_summaries.recent.prompt.mean_tokens
+    summaries_mean = float(lengths("summarization", 4000, 4)[0].mean())
+    assert recent_mean < ahead.workload.prompt.mean_tokens < summaries_mean * 1.1
+    assert ahead.workload.output is not None and ahead.workload.arrival_rate_rps == pytest.approx(4.0)
+
+
+def test_without_a_recent_part_the_window_stands():
+    plain = window([lengths("code", 2400, 1)], [lengths("code", 1200, 2)])
+    plain = replace(plain, recent=None)
+    ahead = forecast(plain, horizon_s=480)
+    assert ahead.workload is plain and ahead.rate_rps == pytest.approx(4.0) and ahead.steps == 0
+
+
+def test_a_finished_shift_is_not_carried_past_the_new_workload():
+    # chatbot for two thirds, then summarization only: the shift is over, nothing is left
+    # of the old workload to move away from, so the forecast is the summaries themselves
+    done = window([lengths("chatbot", 2400, 1)], [lengths("summarization", 1200, 2)])
+    ahead = forecast(done, horizon_s=480)
+    assert ahead.is_mix_trend
+    assert ahead.workload.prompt.mean_tokens == pytest.approx(done.recent.prompt.mean_tokens, rel=0.05)
