@@ -87,7 +87,15 @@ def phase_table(
     pmap: Callable, ctx: SearchContext, configs: Iterable[Config]
 ) -> dict[tuple[str, Config], Goodput]:
     """Goodput of every (phase, config) alone, simulated in parallel."""
-    keys = [(phase, c) for c in sorted(set(configs)) for phase in ("prefill", "decode")]
+    return phase_goodputs(
+        pmap, ctx, [(phase, c) for c in sorted(set(configs)) for phase in ("prefill", "decode")]
+    )
+
+
+def phase_goodputs(
+    pmap: Callable, ctx: SearchContext, keys: list[tuple[str, Config]]
+) -> dict[tuple[str, Config], Goodput]:
+    """Goodput of each (phase, config) of keys alone, simulated in parallel."""
     # NOTE: the deepest pipelines first: theirs are the longest trials, and started last
     # they would leave one worker running while the others wait
     order = sorted(keys, key=lambda key: -key[1].pp)
@@ -196,10 +204,17 @@ def algorithm2(
                for inter_op, segments in inter_op_to_segments.items() for segment in segments]
     if not configs:
         return None
-    progress(f"algorithm 2: {len(configs)} segment configurations x 2 phases")
-    table = phase_table(pmap, ctx, configs)
-    ranked = _ranked_units(ctx, cluster, inter_op_to_segments, table, min_kv)
-    if not ranked:
+    pairs = list(_pairs(ctx, cluster, inter_op_to_segments, min_kv))
+    # NOTE: a configuration in no pair that shares a node is never ranked: not simulated
+    keys = sorted({(phase, config) for _, _, _, prefill, decode in pairs
+                   for phase, config in (("prefill", prefill), ("decode", decode))})
+    progress(f"algorithm 2: {len(configs)} segment configurations, {len(keys)} phase "
+             f"configurations in pairs that share a node")
+    table = phase_goodputs(pmap, ctx, keys)
+    ranked = _ranked_units(ctx, cluster, pairs, table)
+    if not ranked:  # what a user is told is the best attainment of every configuration
+        table |= phase_table(pmap, ctx, [c for c in configs
+                                         if {("prefill", c), ("decode", c)} - table.keys()])
         unit = Unit(configs[0], configs[0], 1, 1, ctx.intra_node_bytes_per_s)
         return [UnitChoice(unit, 1, Goodput(0.0, best_phase_attainment(table), 0))]
     progress(f"algorithm 2: {len(ranked)} prefill/decode segment pairs")
@@ -287,30 +302,40 @@ def _best_of_each_footprint(ranked, found: list[UnitChoice]) -> list:
     return picks
 
 
-def _ranked_units(ctx, cluster, inter_op_to_segments, table, min_kv) -> list[tuple[float, Unit, int]]:
-    """Every feasible (estimate per GPU, unit, inter_op), best estimate first: the
-    slower phase's count x one instance's goodput (an order, no bound; module NOTE).
+def _pairs(ctx, cluster, inter_op_to_segments, min_kv):
+    """(inter_op, prefill segment, decode segment, prefill config, decode config) of every
+    pair of segments that fits one node beside each other, each with room for its KV.
 
     A unit pairs a prefill segment and a decode segment that share each of inter_op
     nodes; the instance configurations span those nodes (pp = inter_op x the segment's
-    stages). The counts per node balance the two phases' goodputs on one node's GPUs.
+    stages).
     """
-    ranked = []
     for inter_op, segments in inter_op_to_segments.items():
         for prefill_segment in segments:
             for decode_segment in segments:
+                if prefill_segment.num_gpus + decode_segment.num_gpus > cluster.gpus_per_node:
+                    continue  # not one instance of each fits: `balance` finds no counts
                 prefill = Config(prefill_segment.tp, inter_op * prefill_segment.pp)
                 decode = Config(decode_segment.tp, inter_op * decode_segment.pp)
-                if not (_has_kv(ctx, prefill, min_kv[0]) and _has_kv(ctx, decode, min_kv[1])):
-                    continue
-                num_prefill, num_decode, estimate_rps = balance(
-                    table[("prefill", prefill)].rate_rps, prefill_segment.num_gpus,
-                    table[("decode", decode)].rate_rps, decode_segment.num_gpus,
-                    cluster.gpus_per_node,
-                )
-                if estimate_rps > 0:
-                    unit = Unit(prefill, decode, num_prefill, num_decode, ctx.intra_node_bytes_per_s)
-                    ranked.append((estimate_rps / unit.num_gpus, unit, inter_op))
+                if _has_kv(ctx, prefill, min_kv[0]) and _has_kv(ctx, decode, min_kv[1]):
+                    yield inter_op, prefill_segment, decode_segment, prefill, decode
+
+
+def _ranked_units(ctx, cluster, pairs, table) -> list[tuple[float, Unit, int]]:
+    """Every feasible (estimate per GPU, unit, inter_op) of the pairs (`_pairs`), best
+    estimate first: the slower phase's count x one instance's goodput (an order, no
+    bound; module NOTE). The counts per node balance the two phases' goodputs on one
+    node's GPUs."""
+    ranked = []
+    for inter_op, prefill_segment, decode_segment, prefill, decode in pairs:
+        num_prefill, num_decode, estimate_rps = balance(
+            table[("prefill", prefill)].rate_rps, prefill_segment.num_gpus,
+            table[("decode", decode)].rate_rps, decode_segment.num_gpus,
+            cluster.gpus_per_node,
+        )
+        if estimate_rps > 0:
+            unit = Unit(prefill, decode, num_prefill, num_decode, ctx.intra_node_bytes_per_s)
+            ranked.append((estimate_rps / unit.num_gpus, unit, inter_op))
     ranked.sort(key=lambda item: -item[0])
     return ranked
 
