@@ -208,8 +208,8 @@ def algorithm2(
     # NOTE: a configuration in no pair that shares a node is never ranked: not simulated
     keys = sorted({(phase, config) for _, _, _, prefill, decode in pairs
                    for phase, config in (("prefill", prefill), ("decode", decode))})
-    progress(f"algorithm 2: {len(configs)} segment configurations, {len(keys)} phase "
-             f"configurations in pairs that share a node")
+    progress(f"algorithm 2: {len(set(configs))} instance configurations, {len(keys)} of "
+             f"their {2 * len(set(configs))} phase simulations in pairs that share a node")
     table = phase_goodputs(pmap, ctx, keys)
     ranked = _ranked_units(ctx, cluster, pairs, table)
     if not ranked:  # what a user is told is the best attainment of every configuration
