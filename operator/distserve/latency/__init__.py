@@ -115,17 +115,13 @@ def get_latency_model(
     source: str = "auto",
     profile_path: str | Path | None = None,
     enable_dispatch_overhead: bool = True,
-    engine: str | None = None,
 ) -> LatencyModel:
     """The latency model for this point, its source chosen by `choose_source`;
     serving_mode: whose iterations it times, "disaggregated" or "colocated".
 
     ValueError when the chosen source is the profile and tp is not a profiled degree
     (under "auto" too: set source "analytic" to time unprofiled degrees).
-    NOTE: `engine` is the serving mode's former name, still passed by
-    `search/trials.py`; remove it once that passes `serving_mode`.
     """
-    serving_mode = engine or serving_mode
     model, accelerator = get_model(model), get_accelerator(accelerator)
     if serving_mode not in SERVING_MODES:
         raise ValueError(f"serving_mode must be one of {', '.join(SERVING_MODES)}, "

@@ -118,10 +118,10 @@ class Instances:
         return self
 
 
-def instance_model(ctx: SearchContext, engine: str, config: Config) -> InstanceModel:
+def instance_model(ctx: SearchContext, serving_mode: str, config: Config) -> InstanceModel:
     """The memoised timer and KV capacity of one instance configuration."""
     return _instance_model(
-        ctx.model, ctx.accelerator, ctx.latency.source, ctx.profile_path, engine, config,
+        ctx.model, ctx.accelerator, ctx.latency.source, ctx.profile_path, serving_mode, config,
         ctx.correction,
     )
 
@@ -130,11 +130,11 @@ def instance_model(ctx: SearchContext, engine: str, config: Config) -> InstanceM
 # with every task, and its trace is not hashable.
 @functools.lru_cache(maxsize=512)
 def _instance_model(
-    model, accelerator, source, profile_path, engine, config, correction=None
+    model, accelerator, source, profile_path, serving_mode, config, correction=None
 ) -> InstanceModel:
     tp, pp = config
     latency = corrected(get_latency_model(
-        model, accelerator, tp, pp, engine=engine, source=source, profile_path=profile_path
+        model, accelerator, tp, pp, serving_mode=serving_mode, source=source, profile_path=profile_path
     ), correction)
     capacity = kv_capacity_tokens(model, accelerator, tp, pp, profile_path=profile_path)
     return InstanceModel(StageTimer(latency, pp), capacity)
@@ -201,11 +201,11 @@ def simulate_baseline(
     )
 
 
-def _phase_capacity_rps(ctx: SearchContext, config: Config, engine: str) -> tuple[float, float]:
+def _phase_capacity_rps(ctx: SearchContext, config: Config, serving_mode: str) -> tuple[float, float]:
     """(prefill, decode) requests per second one instance sustains when busy all the
     time: where bisection starts (a rough estimate, not a bound)."""
     return _phase_capacity(
-        ctx.model, ctx.accelerator, ctx.latency.source, ctx.profile_path, engine, config,
+        ctx.model, ctx.accelerator, ctx.latency.source, ctx.profile_path, serving_mode, config,
         ctx.max_prefill_tokens, ctx.max_decode_batch,
         float(np.mean(ctx.trace.prompt_tokens)), float(np.mean(ctx.trace.output_tokens)),
         ctx.correction,
@@ -214,11 +214,11 @@ def _phase_capacity_rps(ctx: SearchContext, config: Config, engine: str) -> tupl
 
 @functools.lru_cache(maxsize=1024)
 def _phase_capacity(
-    model_name, accelerator, source, profile_path, engine, config, max_prefill_tokens,
+    model_name, accelerator, source, profile_path, serving_mode, config, max_prefill_tokens,
     max_decode_batch, prompt, output, correction=None,
 ) -> tuple[float, float]:
     model = _instance_model(
-        model_name, accelerator, source, profile_path, engine, config, correction
+        model_name, accelerator, source, profile_path, serving_mode, config, correction
     )
     lm = max_prefill_tokens or _saturation_tokens(
         model_name, accelerator, source, profile_path, config
