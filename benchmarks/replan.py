@@ -31,6 +31,7 @@ import numpy as np
 from replan_traffic import APPS, Seen, Traffic, make_traffic, mix_at, observe
 
 from distserve.analyzer.decide import DecisionState, decide
+from distserve.analyzer.observe import RECENT_SHARE
 from distserve.analyzer.replan import SearchEvaluator
 from distserve.analyzer.scaling import ratio_text, started_gpus
 from distserve.analyzer.settings import ReplanningSpec
@@ -116,16 +117,20 @@ def main() -> None:
 def move(strategies, traffic: Traffic, now_s: float, settings, evaluator, max_len, spec,
          verbose: bool = False) -> None:
     """Each adaptive strategy looks at the last window and may change its plan."""
-    seen = {}
+    seen, seen_recent = {}, {}
+    index = traffic.between(max(0.0, now_s - settings.window_seconds), now_s)
+    recent_index = traffic.between(max(0.0, now_s - settings.window_seconds / RECENT_SHARE), now_s)
     for s in strategies:
-        index = traffic.between(max(0.0, now_s - settings.window_seconds), now_s)
         seen[s.name] = Seen(s.ttft_s[index], s.tpot_s[index])
+        seen_recent[s.name] = Seen(s.ttft_s[recent_index], s.tpot_s[recent_index])
     slo = SLO(spec.slo.ttft_seconds, spec.slo.tpot_seconds, spec.slo.attainment, spec.slo.rule)
     observation = observe(traffic, now_s, settings.window_seconds, max_len, None, slo)
     for s in strategies:
         if s.name == "static":
             continue
         seen_obs = observe_latencies(observation, seen[s.name], slo)
+        seen_obs = replace(seen_obs, recent=observe_latencies(
+            observation.recent, seen_recent[s.name], slo))
         if s.name == "replica-only":
             new = replica_only(s, seen_obs, now_s, settings, evaluator)
         else:

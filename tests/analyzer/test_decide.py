@@ -157,6 +157,23 @@ def test_a_window_holding_a_reshuffle_is_not_judged_on_its_attainment():
     assert "observed attainment 50.0% < 90%" in decision.reason
 
 
+def test_a_window_holding_a_reshuffle_is_judged_on_its_last_third_after_the_loading():
+    evaluator = FakeEvaluator()
+    state = DecisionState(reference=make_observation(900, 4.0, seed=1), last_reshuffle_s=1000.0)
+    window = make_observation(2000, 4.0, seed=2, attainment=0.2)  # [1100, 2000]: loading to 1180
+    after = make_observation(2000, 4.0, seed=3, window_s=300.0)  # [1700, 2000]: the plan alone
+    for recent_attainment, words in ((0.6, "observed attainment 60.0% < 90%"), (0.97, "no shift")):
+        seen = replace(window, recent=replace(after, attainment=recent_attainment))
+        decision = decide(seen, make_plan(copies=2), make_settings(cooldownSeconds=0), state,
+                          evaluator)
+        assert words in decision.reason
+    during = replace(window, recent=make_observation(1200, 4.0, seed=3, window_s=300.0,
+                                                     attainment=0.1))  # [900, 1200]: loading
+    decision = decide(during, make_plan(copies=2), make_settings(cooldownSeconds=0), state,
+                      evaluator)
+    assert "no shift" in decision.reason  # no part of the window saw the plan alone
+
+
 def test_a_predicted_miss_the_observation_contradicts_does_not_move():
     # the fake model has 16 GPUs serving 8 req/s, so it predicts a miss at 1.2 x 8 and
     # at 8 req/s of long prompts alike; the deployment was seen to meet the target

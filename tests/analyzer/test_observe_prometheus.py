@@ -108,6 +108,7 @@ def test_rate_lengths_and_plan_match_what_was_sent(tiny_model, tmp_path):
     assert 0.5 < seen.arrival_cv < 1.6  # Poisson: 1
     assert seen.plan_id == PLAN["id"] and seen.num_refused == 0
     assert seen.attainment is not None and 0.0 <= seen.attainment <= 1.0
+    assert seen.recent.attainment is not None and 0.0 <= seen.recent.attainment <= 1.0
     assert seen.ttft_p90_s is not None and seen.tpot_p90_s is not None
     assert {"prefill", "decode"} <= set(seen.phases)
     assert seen.phases["prefill"].queue_time_p90_s is not None

@@ -17,8 +17,8 @@ once per interval and pass back the `DecisionState` it returns. In order:
 4. hysteresis, as autoscalers scale up at once and down slowly: a shift must persist
    for `holdSeconds` and waits out `cooldownSeconds` after the last reshuffle; a miss
    waits for neither (requests are failing now); a window that holds a reshuffle is
-   not judged on its observed attainment (its weight loading, not the plan, is what it
-   measured);
+   judged on its last third's attainment when that came after the weight loading, else
+   on none (the loading, not the plan, is what it measured);
 5. two candidates, the current shape with more or fewer copies (`scale`) and the
    search's plan (`search`), are simulated on the same workload; the cheapest that
    meets the target wins. A miss moves to it; otherwise it must save `minGain` of the
@@ -210,14 +210,14 @@ def decide(
     )
     reference = state.reference or observation
     verdict = is_shifted(reference, observation, thresholds)
-    observed = None if _holds_reshuffle(state, observation, settings) else observation.attainment
+    seen = _measured_part(state, observation, settings)
+    observed = seen.attainment if seen is not None else None
     miss = _miss(observed, predicted, evaluator.attainment_target)
     if miss and observed is not None and observed >= evaluator.attainment_target:
         # NOTE: the model is trusted to predict a miss only where it reproduces what was
-        # observed: a plan seen to meet the target that the model has missing at the
-        # observed rate is one the model times wrong, not one that needs moving.
-        at_observed = evaluator.predict(
-            plan, observation, observation.arrival_rate_rps, state.correction)
+        # observed: a plan seen to meet the target that the model has missing on the
+        # traffic it was seen on is one the model times wrong, not one that needs moving.
+        at_observed = evaluator.predict(plan, seen, seen.arrival_rate_rps, state.correction)
         if at_observed.attainment < evaluator.attainment_target:
             miss = None
     if miss is None and not verdict.is_shifted:
@@ -277,9 +277,14 @@ def _choose(
         if candidate is not None and change_kind(plan, candidate) is not None
     ]
     settled = replace(state, reference=observation, trigger_since_s=None)
+    free = evaluator.free_gpus(plan)
+
+    def drains(candidate: Plan) -> bool:
+        """Whether some of the candidate's new instances must wait for old ones to drain."""
+        return free is not None and started_gpus(plan, candidate) > free
+
     if present_rps is not None:
-        free = evaluator.free_gpus(plan)
-        beside = [(c, p) for c, p in candidates if free is None or started_gpus(plan, c) <= free]
+        beside = [(c, p) for c, p in candidates if not drains(c)]
         if candidates and not beside:
             return _decision(
                 "keep", f"{miss}, but the plan meets the target at the present "
@@ -327,6 +332,9 @@ def _choose(
 
 def _worth_moving(numbers: DecisionNumbers, settings: ReplanningSpec) -> str | None:
     """Why a cheaper plan is not worth a reshuffle; None when it is."""
+    if numbers.gpu_gain <= 0:
+        return (f"no cheaper plan meets the target (the best takes {numbers.new_gpus} GPUs "
+                f"against {numbers.current_gpus})")
     if numbers.gpu_gain < settings.min_gain:
         return (f"the best plan saves {numbers.gpu_gain:.0%} of the GPUs, "
                 f"under the {settings.min_gain:.0%} minimum gain")
@@ -344,6 +352,22 @@ def _holds_reshuffle(
         observation.end_s - observation.window_s
         < state.last_reshuffle_s + settings.reload_seconds
     )
+
+
+def _measured_part(
+    state: DecisionState, observation: Observation, settings: ReplanningSpec
+) -> Observation | None:
+    """The part of the window whose attainment measured the plan: the window, or, when it
+    holds a reshuffle's weight loading, its last third if that came after it (the plan as
+    it serves now); None when no part of the window measured the plan alone."""
+    if not _holds_reshuffle(state, observation, settings):
+        return observation
+    recent = observation.recent
+    if recent is not None and recent.prompt is not None and recent.output is not None and (
+        not _holds_reshuffle(state, recent, settings)
+    ):
+        return recent
+    return None
 
 
 def _miss(observed_attainment: float | None, predicted: Prediction, target: float) -> str | None:

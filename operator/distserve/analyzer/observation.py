@@ -61,9 +61,9 @@ class Observation:
     num_refused: int = 0
     phases: dict[str, PhaseObservation] = field(default_factory=dict)  # "prefill", "decode"
     plan_id: str | None = None  # the plan the deployment served under (distserve_plan_info)
-    # The window's last third (arrivals and lengths only): where a rising rate or a shift
-    # of the length mix under way is now; against the rest of the window, its trend
-    # (`forecast.py`).
+    # The window's last third (arrivals, lengths and attainment): where a rising rate or
+    # a shift of the length mix under way is now; against the rest of the window, its
+    # trend (`forecast.py`); after a reshuffle early in the window, the service now.
     recent: Observation | None = None
 
     @property

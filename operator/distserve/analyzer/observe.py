@@ -8,8 +8,9 @@ summed over the deployment's routers and instances that match the selector:
   sub-window; for a renewal process the counts' index of dispersion (variance / mean)
   tends to the squared coefficient of variation of the gaps, so `arrival_cv` is its
   square root (1 for Poisson). A sub-window that spans a counter reset is left out.
-  Arrivals and the length histograms over the window's last third make `recent`: where a
-  rising rate or a shift of the length mix under way is now, which the window lags;
+  Arrivals, the length histograms and the attainment over the window's last third make
+  `recent`: where a rising rate or a shift of the length mix under way is now, which the
+  window lags, and the service after a reshuffle early in the window;
 - lengths: the increase of each bucket of `vllm:request_prompt_tokens` and
   `vllm:request_generation_tokens`, fitted by `fit.py` (interval-censored maximum
   likelihood over a few `scipy.stats` families);
@@ -145,7 +146,7 @@ async def observe(client: PrometheusClient, labels: Mapping[str, str],
     queries = window_queries(selector, window_s)
     recent_queries = {f"recent_{name}": query
                       for name, query in window_queries(selector, recent_s).items()
-                      if name in ("arrived", "prompt", "output")}
+                      if name in ("arrived", "prompt", "output", "finished", "slo_met")}
     queries.update(recent_queries)
     names = list(queries)
     answers = await asyncio.gather(
@@ -161,10 +162,15 @@ async def observe(client: PrometheusClient, labels: Mapping[str, str],
         asyncio.to_thread(_fit, got[n])
         for n in ("prompt", "output", "recent_prompt", "recent_output")))
     recent_arrived = _one(got["recent_arrived"]) or 0.0
+    recent_finished = _one(got["recent_finished"])
+    recent_met = {s.labels.get("slo"): finite_or_none(s.value) for s in got["recent_slo_met"]}
     recent = Observation(
         end_s=end_s, window_s=recent_s, num_requests=int(round(recent_arrived)),
         arrival_rate_rps=recent_arrived / recent_s, arrival_cv=dispersion_cv(counts),
         prompt=recent_prompt, output=recent_output,
+        ttft_attainment=_ratio(recent_met.get("ttft"), recent_finished),
+        tpot_attainment=_ratio(recent_met.get("tpot"), recent_finished),
+        attainment=_ratio(recent_met.get("both"), recent_finished),
     )
     return Observation(
         end_s=end_s, window_s=window_s,
