@@ -10,7 +10,7 @@ from distserve.search.algorithms import balance, phase_table
 from distserve.search.candidates import ClusterShape, Config, instance_configs, segment_configs
 from distserve.search.curves import plan_unit
 from distserve.search.goodput import REL_TOL
-from distserve.search.planner import SearchOverrides
+from distserve.search.planner import SearchOverrides, placed_as_given
 from distserve.search.trials import Unit, run_unit, unit_goodput
 from distserve.simulator import SLO
 from distserve.spec import DistServeDeploymentSpec
@@ -121,6 +121,21 @@ def test_fixed_placement_is_simulated_not_searched():
     assert plan.algorithm == "fixed"
     assert (plan.prefill.tp, plan.prefill.instances, plan.decode.instances) == (2, 1, 2)
     assert plan.num_gpus == 4 and plan.goodput_rps > 0
+
+
+def test_a_placement_that_meets_no_rate_is_still_placed_for_a_replanner_to_start_from():
+    placement = {"prefill": {"tp": 2, "pp": 1, "instances": 1},
+                 "decode": {"tp": 1, "pp": 1, "instances": 2}}
+    spec = make_spec(slo={"ttftSeconds": 0.001}, placement=placement)
+    with pytest.raises(NoFeasiblePlan) as err:
+        plan_deployment(spec)
+    start = placed_as_given(spec, attainment=err.value.best_attainment)
+    assert start.algorithm == "fixed" and start.goodput_rps == 0.0 and start.latency is None
+    assert (start.prefill.tp, start.prefill.instances, start.decode.instances) == (2, 1, 2)
+    assert start.num_gpus == 4 and len(start.segments) == 3
+    assert start.attainment == err.value.best_attainment < 0.9
+    with pytest.raises(ValueError, match="no placement"):
+        placed_as_given(make_spec())
 
 
 def test_model_that_fits_nowhere_says_so():

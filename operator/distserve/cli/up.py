@@ -75,6 +75,7 @@ def run(args) -> int:
     from distserve.local.launcher import LaunchError
     from distserve.local.settings import find_model_path
     from distserve.search import NoFeasiblePlan, plan_deployment
+    from distserve.search.planner import placed_as_given
 
     manifest = load_manifest(args.file)
     spec = manifest.spec  # relative paths already read from the spec's folder
@@ -107,6 +108,8 @@ def run(args) -> int:
             print(f"error: no feasible plan: {err}", file=sys.stderr)
             return 1
         _log(f"planner: no feasible plan ({err}); running the spec's placement")
+        if args.replan and not args.colocated:
+            plan = placed_as_given(spec, attainment=err.best_attainment)  # replanning's start
     except ValueError as err:  # the planner cannot model this spec (e.g. an unknown model)
         if not (args.colocated or spec.placement):
             raise

@@ -228,6 +228,33 @@ def _fixed(pmap, ctx, spec, names, per_node, rate) -> Plan:
                          goodput.rate_rps, rate)
 
 
+def placed_as_given(
+    spec: DistServeDeploymentSpec, *, node_names: list[str] | None = None,
+    gpus_per_node: int | None = None, attainment: float = 0.0,
+) -> Plan:
+    """The spec's fixed placement on the cluster, neither sized nor simulated (goodput 0):
+    what a replanner starts from when the placement meets no rate within the SLOs
+    (`attainment`: the best it reached, from the NoFeasiblePlan)."""
+    if spec.placement is None:
+        raise ValueError("placed_as_given: the spec has no placement")
+    names, per_node = resolve_cluster(spec, node_names, gpus_per_node)
+    model, accelerator = _model_and_accelerator(spec)
+    p, d = spec.placement.prefill, spec.placement.decode
+    prefill, decode = PhaseConfig(p.tp, p.pp, p.instances), PhaseConfig(d.tp, d.pp, d.instances)
+    try:
+        segments = place_fixed(names, per_node, prefill, decode,
+                               spec.cluster.node_affinity == "low")
+    except ClusterTooSmall as err:
+        raise NoFeasiblePlan(f"the fixed placement does not fit: {err}") from None
+    return Plan(
+        algorithm="fixed", model=model.name, accelerator=accelerator.name,
+        prefill=prefill, decode=decode, segments=segments, goodput_rps=0.0,
+        attainment=attainment, latency=None, ttft_slo_s=spec.slo.ttft_seconds,
+        tpot_slo_s=spec.slo.tpot_seconds, attainment_target=spec.slo.attainment,
+        rate_rps=spec.workload.rate_rps, latency_source="none: the placement meets no rate",
+    )
+
+
 def _replace(plan: Plan, **changes) -> Plan:
     from dataclasses import replace
 
