@@ -16,6 +16,7 @@ from kmock_cluster import (
     owned,
     play_kubelet,
     prepare,
+    status_of,
     wait_for,
 )
 from kopf.testing import KopfRunner
@@ -116,7 +117,7 @@ async def test_ratio_change_on_a_full_node_drains_before_it_creates(kmock):
         await stop(runner)
 
 
-async def test_a_plan_the_free_gpus_cannot_hold_is_refused_and_the_old_one_serves(kmock):
+async def test_a_plan_the_free_gpus_cannot_hold_is_refused_until_they_are_free(kmock):
     api = prepare(kmock, nodes=0)
     kmock.objects["v1/nodes", None, "gpu-node-a"] = make_node("gpu-node-a", gpus=10)
     kmock.objects["v1/namespaces", None, "research"] = {"metadata": {"name": "research"}}
@@ -129,11 +130,34 @@ async def test_a_plan_the_free_gpus_cannot_hold_is_refused_and_the_old_one_serve
         first = await wait_for(lambda: _applied(api, "opt"), what="first plan applied")
         await api.patch("DistServeDeployment", NAMESPACE, "opt",
                         {"spec": {"placement": fixed_spec(2, 3)["placement"]}})  # 10 GPUs, 8 free
-        status = await wait_for(lambda: _phase(api, "opt", "Degraded"), what="refused")
-        assert "NoRoom" in {c["reason"] for c in status["conditions"]}
-        assert "needs 2 on gpu-node-a (0 free)" in status["message"]
+        await wait_for(lambda: _phase(api, "opt", "Degraded"), what="refused")
+        seen = len(list(kmock))
+        await wait_for(lambda: _monitored_since(kmock, seen, rounds=3), what="3 monitor rounds")
+        status = await status_of(api, "opt")  # the monitor rounds keep the refusal
+        assert status["phase"] == "Degraded"
+        degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+        assert (degraded["status"], degraded["reason"]) == ("True", "NoRoom")
+        assert "needs 2 GPUs on gpu-node-a (0 free)" in status["message"]
+        assert f"plan {first['planId']} keeps serving" in status["message"]
         assert status["appliedPlanId"] == first["planId"]
+        assert status["planId"] != first["planId"]
         assert len(await owned(api, "Pod", "opt")) == 2
+
+        del kmock.objects["v1/pods", "research", "training"]  # the other team's job ends
+        second = await wait_for(lambda: _applied(api, "opt", not_plan=first["planId"]),
+                                what="the refused plan applied")
+        assert second["planId"] == status["planId"]
+        degraded = next(c for c in second["conditions"] if c["type"] == "Degraded")
+        assert degraded["status"] == "False"
+        await wait_for(lambda: _settled(api), timeout_s=120, what="reshuffled")
+        assert len(await owned(api, "Pod", "opt")) == 5
     finally:
         await stop(runner)
 
+
+async def _monitored_since(emulator, since: int, rounds: int) -> bool:
+    """Whether the Nodes were listed `rounds` times since a request (each monitor round
+    lists them once)."""
+    reads = [r for r in list(emulator)[since:] if r.resource is not None
+             and r.resource.plural == "nodes" and str(getattr(r.method, "value", r.method)) == "GET"]
+    return len(reads) >= rounds

@@ -36,7 +36,8 @@ status says), `client` (the API), `planning`, `applying`, `reconciling`, `reshuf
   old names; the others are replaced one step per monitor round, progress in
   `status.reshuffle`: create where the node's free GPUs (allocatable minus what other
   pods hold) allow, else drain one old instance, delete it, create its replacement.
-  A plan the free GPUs cannot hold is refused (`NoRoom`) and the old one serves.
+  A plan the free GPUs cannot hold is refused (Degraded, `NoRoom`) and the old one
+  serves; the monitor applies it once other workloads free the GPUs it needs.
 - Draining: the engine's router re-reads its `serve.json` while it runs (kubelet
   updates the ConfigMap volume in place), so a change of peers does not roll the router
   pods; an instance no longer listed gets no new request and its in-flight ones finish.

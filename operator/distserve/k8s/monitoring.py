@@ -6,7 +6,8 @@ Each round (the kopf timer, under the resource's lock, on a fresh read of it):
    missing, their NetworkPolicies included;
 2. remove the objects of revisions no live instance comes from (a replaced reshuffle's
    leftovers: Services, ConfigMaps and router entries would otherwise stay forever);
-3. advance the reshuffle in progress by one step (`rollout`); a drain's deadline is
+3. apply a plan refused for want of free GPUs (`NoRoom`) once they are free;
+   otherwise advance the reshuffle in progress by one step (`rollout`); a drain's deadline is
    kept in `status.reshuffle`, so an operator restart neither restarts nor forgets it;
 4. judge readiness from the live instances' pods and the router, and the cluster from
    the Nodes: a node of a live instance that is gone, not Ready or cordoned (or a
@@ -34,7 +35,15 @@ from distserve.k8s import (
 )
 from distserve.k8s import status as st
 from distserve.k8s.client import ApiClient
-from distserve.k8s.reconciling import KIND, PLANNING_REASONS, Timing, write_status
+from distserve.k8s.reconciling import (
+    KIND,
+    NO_ROOM,
+    PLANNING_REASONS,
+    Timing,
+    apply_plan,
+    approval,
+    write_status,
+)
 
 NODES_REASON = "NodesNotReady"
 
@@ -59,6 +68,8 @@ async def monitor(api: ApiClient, body: Any, timing: Timing) -> None:
     found = await applying.inventory(api, owner)
     if shaped is not None:
         spec = shaped
+        if await retry_refused(api, body, owner, status, shaped, known):
+            return  # the refused plan fits now and is applied: the next round advances it
         await heal(api, body, owner, status, spec, set(known), found)
         await remove_dead_revisions(api, body, owner, status, spec, found)
         fields = await rollout.advance(api, body, owner, status, spec, set(known), timing)
@@ -75,6 +86,20 @@ async def monitor(api: ApiClient, body: Any, timing: Timing) -> None:
         post_node_events(body, status, node_issues)
     await write_status(api, owner, {**fields, **monitor_phase(status, report, node_issues, is_reshuffling)},
                        monitor_conditions(status, report, node_issues))
+
+
+async def retry_refused(api: ApiClient, body: Any, owner: naming.Owner, status: dict[str, Any],
+                        spec: Any, known: frozenset[str]) -> bool:
+    """Apply the shown plan that was refused for want of free GPUs, once they are free
+    (another workload left); until then the refusal stands, with no new Event."""
+    degraded = st.condition(status, st.DEGRADED) or {}
+    plan = st.stored_plan(status)
+    if degraded.get("status") != "True" or degraded.get("reason") != NO_ROOM or plan is None \
+            or plan.plan_id == status.get("appliedPlanId"):
+        return False
+    if not (spec.auto_apply or approval(body) == plan.plan_id):
+        return False
+    return await apply_plan(api, body, owner, planning.Planned(plan, spec, known), is_retry=True)
 
 
 def live_pods(found: dict[str, dict[str, Any]], members: list[fleet.Member]) -> list[dict[str, Any]]:

@@ -31,8 +31,12 @@ from distserve.k8s import status as st
 from distserve.k8s.client import ApiClient
 
 KIND = specs.KIND
-# Reasons of a Degraded condition that only a new spec can clear (the monitor keeps them).
-PLANNING_REASONS = ("InvalidSpec", "NoFeasiblePlan", "NoNodes")
+# A plan refused because the free GPUs cannot hold it: the old plan serves, and the
+# monitor applies the refused one once other workloads free the GPUs it needs.
+NO_ROOM = "NoRoom"
+# Reasons of a Degraded condition that only a new spec (or, for NO_ROOM, freed GPUs) can
+# clear: the monitor keeps them.
+PLANNING_REASONS = ("InvalidSpec", "NoFeasiblePlan", "NoNodes", NO_ROOM)
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -134,8 +138,11 @@ async def degrade(api: ApiClient, body: Any, owner: naming.Owner, reason: str, m
                         (st.DEGRADED, True, reason, message + suffix)])
 
 
-async def apply_plan(api: ApiClient, body: Any, owner: naming.Owner, planned: planning.Planned) -> None:
-    """Plan the reshuffle from what runs to the plan and start it; the monitor finishes it."""
+async def apply_plan(api: ApiClient, body: Any, owner: naming.Owner, planned: planning.Planned,
+                     *, is_retry: bool = False) -> bool:
+    """Plan the reshuffle from what runs to the plan and start it; the monitor finishes it.
+    False when the free GPUs cannot hold it: refused (NoRoom), or, on a retry of a refused
+    plan, left refused without a new Event."""
     revision = naming.Revision(owner, planned.plan, planned.spec)
     await apply_access(api, body, owner, planned.spec)  # before any pod: none runs unguarded
     current = await api.get(KIND, owner.namespace, owner.name) or body
@@ -146,12 +153,14 @@ async def apply_plan(api: ApiClient, body: Any, owner: naming.Owner, planned: pl
         # this revision is applied or on its way: the monitor heals and advances it; what
         # the router runs with beyond the revision (its API key) may have changed
         await applying.refresh_router(api, owner, planned.spec)
-        return
+        return True
     try:
         fields, result = await rollout.start(api, owner, planned, status)
     except reshuffling.ReshuffleError as exc:
-        await degrade(api, body, owner, "NoRoom", f"plan {planned.plan.plan_id} not applied: {exc}")
-        return
+        if not is_retry:
+            await degrade(api, body, owner, NO_ROOM, f"plan {planned.plan.plan_id} not applied: "
+                          f"{exc}; it is applied once the GPUs it needs are free")
+        return False
     steps = ", ".join(f"{s.action} {s.instance.name}" for s in result.steps) or "none"
     message = (f"plan {planned.plan.plan_id} revision {revision.id}: {len(result.kept)} instances "
                f"kept, steps: {steps}")
@@ -164,6 +173,7 @@ async def apply_plan(api: ApiClient, body: Any, owner: naming.Owner, planned: pl
                                         set(planned.known_nodes), None, only_creates=True))
     await write_status(api, owner, fields, [(st.APPLIED, True, "Applied", message),
         (st.DEGRADED, False, "Applied", "the plan is applied")])
+    return True
 
 
 async def apply_access(api: ApiClient, body: Any, owner: naming.Owner,

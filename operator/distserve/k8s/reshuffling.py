@@ -176,11 +176,11 @@ def plan_reshuffle(old: list[Instance], new: list[Instance], free_gpus: dict[str
 def _raise_stuck(add: list[Instance], remove: list[Instance], free: Counter) -> None:
     """Say which instance cannot be placed and why."""
     first = add[0]
-    wanted = ", ".join(f"{g} on {n} ({free[n]} free)" for n, g in sorted(first.node_to_gpus.items()))
+    wanted = ", ".join(f"{g} GPUs on {n} ({free[n]} free)" for n, g in sorted(first.node_to_gpus.items()))
     if not remove:
-        raise ReshuffleError(f"{first.role} instance {first.name} needs {wanted} GPUs, and no "
+        raise ReshuffleError(f"{first.role} instance {first.name} needs {wanted}, and no "
                              "old instance is left to make room")
-    raise ReshuffleError(f"{first.role} instance {first.name} needs {wanted} GPUs; draining "
+    raise ReshuffleError(f"{first.role} instance {first.name} needs {wanted}; draining "
                          "another old instance first would drop capacity below the smaller "
                          "plan minus one instance")
 
