@@ -277,14 +277,9 @@ def _choose(
         if candidate is not None and change_kind(plan, candidate) is not None
     ]
     settled = replace(state, reference=observation, trigger_since_s=None)
-    free = evaluator.free_gpus(plan)
-
-    def drains(candidate: Plan) -> bool:
-        """Whether some of the candidate's new instances must wait for old ones to drain."""
-        return free is not None and started_gpus(plan, candidate) > free
-
     if present_rps is not None:
-        beside = [(c, p) for c, p in candidates if not drains(c)]
+        free = evaluator.free_gpus(plan)
+        beside = [(c, p) for c, p in candidates if free is None or started_gpus(plan, c) <= free]
         if candidates and not beside:
             return _decision(
                 "keep", f"{miss}, but the plan meets the target at the present "

@@ -205,20 +205,14 @@ def _searched(pmap, ctx, model, cluster, min_kv, configs, progress, sizing, algo
 
 def _fixed(pmap, ctx, spec, names, per_node, rate) -> Plan:
     """Simulate the spec's fixed placement: its goodput, attainment and latencies."""
-    p, d = spec.placement.prefill, spec.placement.decode
-    prefill, decode = PhaseConfig(p.tp, p.pp, p.instances), PhaseConfig(d.tp, d.pp, d.instances)
+    prefill, decode = _placement_phases(spec)
     for role, phase in (("prefill", prefill), ("decode", decode)):
         if not ctx.latency.allows(phase.tp):
             raise NoFeasiblePlan(
                 f"spec.placement.{role}.tp={phase.tp}: the latency source is "
                 f"{ctx.latency.describe()}; set planner.latencyModel: analytic to time it"
             )
-    try:
-        segments = place_fixed(
-            names, per_node, prefill, decode, spec.cluster.node_affinity == "low"
-        )
-    except ClusterTooSmall as err:
-        raise NoFeasiblePlan(f"the fixed placement does not fit: {err}") from None
+    segments = _placed(spec, names, per_node, prefill, decode)
     links = pair_links(segments, ctx.intra_node_bytes_per_s, ctx.inter_node_bytes_per_s)
     unit = whole_unit(prefill, decode, links)
     (goodput,) = pmap(unit_goodput, [(ctx, unit)])
@@ -239,13 +233,8 @@ def placed_as_given(
         raise ValueError("placed_as_given: the spec has no placement")
     names, per_node = resolve_cluster(spec, node_names, gpus_per_node)
     model, accelerator = _model_and_accelerator(spec)
-    p, d = spec.placement.prefill, spec.placement.decode
-    prefill, decode = PhaseConfig(p.tp, p.pp, p.instances), PhaseConfig(d.tp, d.pp, d.instances)
-    try:
-        segments = place_fixed(names, per_node, prefill, decode,
-                               spec.cluster.node_affinity == "low")
-    except ClusterTooSmall as err:
-        raise NoFeasiblePlan(f"the fixed placement does not fit: {err}") from None
+    prefill, decode = _placement_phases(spec)
+    segments = _placed(spec, names, per_node, prefill, decode)
     return Plan(
         algorithm="fixed", model=model.name, accelerator=accelerator.name,
         prefill=prefill, decode=decode, segments=segments, goodput_rps=0.0,
@@ -253,6 +242,21 @@ def placed_as_given(
         tpot_slo_s=spec.slo.tpot_seconds, attainment_target=spec.slo.attainment,
         rate_rps=spec.workload.rate_rps, latency_source="none: the placement meets no rate",
     )
+
+
+def _placement_phases(spec: DistServeDeploymentSpec) -> tuple[PhaseConfig, PhaseConfig]:
+    """The spec's fixed placement as (prefill, decode) phases."""
+    p, d = spec.placement.prefill, spec.placement.decode
+    return PhaseConfig(p.tp, p.pp, p.instances), PhaseConfig(d.tp, d.pp, d.instances)
+
+
+def _placed(spec: DistServeDeploymentSpec, names: list[str], per_node: int,
+            prefill: PhaseConfig, decode: PhaseConfig):
+    """The fixed placement's segments on the cluster; NoFeasiblePlan when it does not fit."""
+    try:
+        return place_fixed(names, per_node, prefill, decode, spec.cluster.node_affinity == "low")
+    except ClusterTooSmall as err:
+        raise NoFeasiblePlan(f"the fixed placement does not fit: {err}") from None
 
 
 def _replace(plan: Plan, **changes) -> Plan:
