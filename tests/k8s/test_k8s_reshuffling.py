@@ -81,7 +81,7 @@ def test_capacity_never_drops_below_the_smaller_plan_minus_one():
 
 
 def test_a_plan_that_needs_more_gpus_than_exist_is_refused_naming_the_instance():
-    with pytest.raises(ReshuffleError, match="d0 needs 2 on a"):
+    with pytest.raises(ReshuffleError, match=r"d0 needs 2 GPUs on a \(1 free\)"):
         plan_reshuffle(instances("p0@a:0"), instances("p0@a:0 d0@a:1x2"), {"a": 1})
 
 
