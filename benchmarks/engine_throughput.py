@@ -75,27 +75,22 @@ def hf_rates(model, prompts: list[list[int]], steps: int) -> tuple[float, float]
 
 
 def linear_weights(runner) -> list[torch.Tensor]:
-    """Every weight a step multiplies by, in the layout the engine multiplies it in."""
-    weights = []
-    for module in runner.model.modules():
-        weight = getattr(module, "weight_t", None)
-        if weight is not None:
-            weights.append(weight)  # (in, out)
+    """Every layer weight a step multiplies by (the LM head aside), in the layout the
+    engine multiplies it in."""
     head = runner.model.lm_head
-    if getattr(head, "weight_t", None) is None:
-        weights.append(head.weight.t())  # the tied embedding, (vocab, hidden) seen as (in, out)
-    return weights
+    return [m.weight_t for m in runner.model.modules()
+            if m is not head and getattr(m, "weight_t", None) is not None]  # (in, out)
 
 
-def gemm_rate(weights: list[torch.Tensor], rows: int, head_rows: int) -> float:
+def gemm_rate(weights: list[torch.Tensor], head: torch.nn.Module, rows: int, head_rows: int) -> float:
     """Tokens/s of a step that only ran its GEMMs: `rows` through every layer's
-    weights and `head_rows` through the LM head (the last weight)."""
+    weights and `head_rows` through the LM head, as the engine runs it."""
     inputs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=w.dtype) for w in weights}
-    head_input = torch.randn(head_rows, weights[-1].shape[0], dtype=weights[-1].dtype)
+    head_input = torch.randn(head_rows, weights[0].shape[0], dtype=weights[0].dtype)
     start = time.perf_counter()
-    for weight in weights[:-1]:
+    for weight in weights:
         torch.mm(inputs[weight.shape[0]], weight)
-    torch.mm(head_input, weights[-1])
+    head(head_input)
     return rows / (time.perf_counter() - start)
 
 
@@ -127,7 +122,9 @@ def main() -> None:
     runner = engine_runner(args.dtype)
     model = hf_model(runner, runner.dtype)
     weights = linear_weights(runner)
-    unique = {t.data_ptr(): t for t in [*runner.model.parameters(), *weights]}
+    head_t = getattr(runner.model.lm_head, "weight_t", None)  # an untied head's (in, out) copy
+    unique = {t.data_ptr(): t for t in [*runner.model.parameters(), *weights,
+                                        *([head_t] if head_t is not None else [])]}
     weight_bytes = sum(t.nbytes for t in unique.values())
     print(f"# SmolLM2-135M {args.dtype} CPU, torch threads={args.threads}, prompt_len="
           f"{args.prompt_len}, decode steps={args.steps}, weights {weight_bytes / 2**20:.0f} MiB, "
@@ -144,8 +141,9 @@ def main() -> None:
             else:
                 e_prefill, e_decode = engine_rates(runner, prompts, args.steps)
                 h_prefill, h_decode = hf_rates(model, prompts, args.steps)
-            g_prefill, g_decode = (gemm_rate(weights, batch * args.prompt_len, batch),
-                                   gemm_rate(weights, batch, batch))
+            head = runner.model.lm_head
+            g_prefill, g_decode = (gemm_rate(weights, head, batch * args.prompt_len, batch),
+                                   gemm_rate(weights, head, batch, batch))
             mem = copy_bandwidth() / weight_bytes
             rounds.append(((e_decode, h_decode, g_decode, mem), (e_prefill, h_prefill, g_prefill)))
         for kind, index in (("decode", 0), ("prefill", 1)):

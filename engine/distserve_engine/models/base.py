@@ -19,6 +19,7 @@ from distserve_engine.model_config import ModelConfig
 from distserve_engine.models.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    block_head_for_cpu,
     transpose_for_cpu,
 )
 from distserve_engine.parallel import ParallelState, tp_all_gather_last
@@ -114,6 +115,8 @@ class CausalLM(nn.Module):
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise CheckpointError(f"checkpoint is missing {len(missing)} weights: {shown}")
         if next(self.parameters()).device.type == "cpu":
+            if self.lm_head is not None:
+                block_head_for_cpu(self.lm_head, self.lm_head.weight)
             for module in self.modules():
                 is_linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
                 if is_linear and not (module is self.lm_head and self.is_head_shared):
