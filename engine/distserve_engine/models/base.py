@@ -116,7 +116,7 @@ class CausalLM(nn.Module):
             raise CheckpointError(f"checkpoint is missing {len(missing)} weights: {shown}")
         if next(self.parameters()).device.type == "cpu":
             if self.lm_head is not None:
-                block_head_for_cpu(self.lm_head, self.lm_head.weight)
+                block_head_for_cpu(self.lm_head)
             for module in self.modules():
                 is_linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
                 if is_linear and not (module is self.lm_head and self.is_head_shared):

@@ -82,7 +82,7 @@ def transpose_for_cpu(module: nn.Module) -> None:
     del module.weight
 
 
-def block_head_for_cpu(module: nn.Module, weight: torch.Tensor) -> None:
+def block_head_for_cpu(module: nn.Module) -> None:
     """Keep a oneDNN-blocked copy of the LM head's (out, in) weight for products of 2 rows
     or more; one row stays a plain GEMV, which reads the weight once at memory speed.
 
@@ -91,6 +91,7 @@ def block_head_for_cpu(module: nn.Module, weight: torch.Tensor) -> None:
     product over 8-64 rows ran 1.4-1.8x faster on this CPU; for the other linears, whose
     weights are small, it was slower or no faster. Costs one more copy of the head.
     """
+    weight = module.weight  # before transpose_for_cpu replaces it
     if weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
         module.weight_blocked = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 

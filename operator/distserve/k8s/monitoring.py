@@ -21,6 +21,7 @@ from typing import Any
 
 import kopf
 
+from distserve import spec as specs
 from distserve.k8s import (
     applying,
     fleet,
@@ -89,15 +90,14 @@ async def monitor(api: ApiClient, body: Any, timing: Timing) -> None:
 
 
 async def retry_refused(api: ApiClient, body: Any, owner: naming.Owner, status: dict[str, Any],
-                        spec: Any, known: frozenset[str]) -> bool:
+                        spec: specs.DistServeDeploymentSpec, known: frozenset[str]) -> bool:
     """Apply the shown plan that was refused for want of free GPUs, once they are free
     (another workload left); until then the refusal stands, with no new Event."""
     degraded = st.condition(status, st.DEGRADED) or {}
     plan = st.stored_plan(status)
-    if degraded.get("status") != "True" or degraded.get("reason") != NO_ROOM or plan is None \
-            or plan.plan_id == status.get("appliedPlanId"):
-        return False
-    if not (spec.auto_apply or approval(body) == plan.plan_id):
+    is_refused = degraded.get("status") == "True" and degraded.get("reason") == NO_ROOM
+    if not is_refused or plan is None or plan.plan_id == status.get("appliedPlanId") \
+            or not (spec.auto_apply or approval(body) == plan.plan_id):
         return False
     return await apply_plan(api, body, owner, planning.Planned(plan, spec, known), is_retry=True)
 
