@@ -57,15 +57,25 @@ def reference_texts(url: str) -> dict[str, str]:
     return {p: stream_completion(url, p)["text"] for p in PROMPTS}
 
 
-def burst_with_kill(launcher: LocalLauncher, victim: str, expected: dict[str, str]) -> dict:
-    """NUM_REQUESTS concurrent streams; SIGKILL `victim` once streams are under way."""
+def burst_with_kill(launcher: LocalLauncher, role: str, expected: dict[str, str]) -> dict:
+    """NUM_REQUESTS concurrent streams; SIGKILL the first instance of `role` seen holding
+    requests (queued, running, or prefilled with their KV not yet pulled) once streams
+    are under way."""
     started = threading.Event()
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(NUM_REQUESTS)]
+    candidates = [p for p in launcher.procs if p.role == role]
     with ThreadPoolExecutor(NUM_REQUESTS) as pool:
         futures = [pool.submit(stream_completion, launcher.url, p, started) for p in prompts]
         assert started.wait(120), "no stream started"
-        time.sleep(0.5)  # let the victim hold requests mid-stream
-        proc = next(p for p in launcher.procs if p.name == victim)
+        found: dict = {}
+
+        def holder_found() -> bool:
+            found["proc"] = next((p for p in candidates if _holds_requests(p.url)), None)
+            return found["proc"] is not None
+
+        assert wait_until(holder_found, timeout_s=60), f"no {role} instance held a request"
+        proc = found["proc"]
+        victim = proc.name
         killed_s = time.monotonic()
         os.kill(proc.handle.pid, signal.SIGKILL)
         results = [f.result(timeout=300) for f in futures]
@@ -81,7 +91,7 @@ def burst_with_kill(launcher: LocalLauncher, victim: str, expected: dict[str, st
               "resumed": resumed, "wrong": wrong,
               "seconds_to_finish_after_kill": round(recovered_s, 2)}
     print(f"\nkill {victim}: {report}")
-    return report
+    return {**report, "victim": victim}
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +113,17 @@ def expected(tiny_llama) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("instances", "victim"), [
-    ({"prefill": 1, "decode": 2}, "decode-0"),
-    ({"prefill": 2, "decode": 1}, "prefill-0"),
+@pytest.mark.parametrize(("instances", "role"), [
+    ({"prefill": 1, "decode": 2}, "decode"),
+    ({"prefill": 2, "decode": 1}, "prefill"),
 ], ids=["decode-dies", "prefill-dies"])
-def test_instance_killed_under_load_loses_no_request(tiny_llama, expected, instances, victim):
-    settings = make_settings(tiny_llama, instances=instances, max_decode_batch=8)
+def test_instance_killed_under_load_loses_no_request(tiny_llama, expected, instances, role):
+    # 4 decode slots per decode instance for 10 streams: the prefill instances hold the
+    # KV of the requests no decode has room for until one finishes
+    settings = make_settings(tiny_llama, instances=instances, max_decode_batch=4)
     with LocalLauncher(settings, port=free_port_block(4)) as launcher:
-        report = burst_with_kill(launcher, victim, expected)
+        report = burst_with_kill(launcher, role, expected)
+        victim = report["victim"]
         assert report["lost"] == 0 and report["wrong"] == []
         assert report["resumed"] >= 1  # the kill hit requests in flight, which went on elsewhere
         assert report["completed"] == report["sent"]  # a live instance of each role remained
@@ -119,6 +132,11 @@ def test_instance_killed_under_load_loses_no_request(tiny_llama, expected, insta
         assert wait_until(lambda: _router_sees_healthy(launcher.url, victim), timeout_s=180)
         after = stream_completion(launcher.url, PROMPTS[0])
         assert after["text"] == expected[PROMPTS[0]]
+
+
+def _holds_requests(url: str) -> bool:
+    load = httpx.get(f"{url}/load", timeout=10).json()
+    return load["num_waiting"] + load["num_running"] + load["num_held"] > 0
 
 
 def _router_sees_healthy(url: str, instance: str) -> bool:
