@@ -9,7 +9,7 @@ from distserve.search import NoFeasiblePlan, build_context, find_goodput, plan_d
 from distserve.search.algorithms import balance, phase_table
 from distserve.search.candidates import ClusterShape, Config, instance_configs, segment_configs
 from distserve.search.curves import plan_unit
-from distserve.search.goodput import REL_TOL
+from distserve.search.goodput import MAX_RATE_RPS, REL_TOL, find_goodput_wide
 from distserve.search.planner import SearchOverrides, placed_as_given
 from distserve.search.trials import Unit, run_unit, unit_goodput
 from distserve.simulator import SLO
@@ -57,6 +57,46 @@ def test_a_known_bracket_is_narrowed_not_searched_again():
     assert coarse.rate_rps <= 7.3 < coarse.fail_rps
     assert 7.3 * 0.99 <= fine.rate_rps <= 7.3 < fine.fail_rps <= coarse.fail_rps
     assert fine.trials - coarse.trials <= 4  # only the bracket's halvings
+
+
+class _Batch:
+    """Fake trials run a batch at a time, each batch's rates recorded."""
+
+    def __init__(self, limit_rps: float) -> None:
+        self.limit_rps, self.batches = limit_rps, []
+
+    def __call__(self, rates):
+        self.batches.append(list(rates))
+        return [1.0 if rate <= self.limit_rps else 0.5 for rate in rates]
+
+
+@pytest.mark.parametrize("estimate", [0.1, 3.0, 7.0, 500.0])
+def test_a_wide_bisection_finds_the_same_rate_two_trials_at_a_time(estimate):
+    trials = _Batch(7.3)
+    goodput = find_goodput_wide(trials, SLO(1.0, 1.0, 0.9), estimate, width=2)
+    assert 7.3 * 0.97 <= goodput.rate_rps <= 7.3 < goodput.fail_rps
+    assert goodput.fail_rps - goodput.rate_rps <= REL_TOL * goodput.rate_rps
+    assert all(len(batch) == 2 for batch in trials.batches)
+    assert goodput.trials == len({rate for batch in trials.batches for rate in batch})
+    # one by one it takes more rounds than two at a time
+    assert len(trials.batches) < find_goodput(_Trial(7.3), SLO(1.0, 1.0, 0.9), estimate).trials
+
+
+def test_a_wide_bisection_does_not_run_a_known_rate_again():
+    trials = _Batch(7.3)
+    goodput = find_goodput_wide(trials, SLO(1.0, 1.0, 0.9), 6.0, width=2, known={6.0: 0.95})
+    assert 6.0 not in {rate for batch in trials.batches for rate in batch}
+    assert 7.3 * 0.97 <= goodput.rate_rps <= 7.3
+    # a known pass that stays the answer keeps its attainment
+    goodput = find_goodput_wide(_Batch(6.05), SLO(1.0, 1.0, 0.9), 6.0, width=2, known={6.0: 0.95})
+    assert (goodput.rate_rps, goodput.attainment) == (6.0, 0.95)
+
+
+def test_a_wide_bisection_of_the_unattainable_or_the_unlimited_ends():
+    nothing = find_goodput_wide(_Batch(-1.0), SLO(1, 1, 0.9), 1.0, width=2)
+    assert nothing.rate_rps == 0.0 and nothing.attainment == 0.5
+    everything = find_goodput_wide(_Batch(float("inf")), SLO(1, 1, 0.9), 1.0, width=2)
+    assert everything.rate_rps == MAX_RATE_RPS
 
 
 def test_unattainable_slo_has_zero_goodput():

@@ -39,6 +39,7 @@ from distserve.search.trials import (
     SearchContext,
     Unit,
     meets_target_at,
+    phase_estimate,
     phase_goodput,
     unit_goodput,
 )
@@ -48,6 +49,7 @@ MAX_RESIZES = 3  # Algorithm 1: joint re-simulations while growing the counts to
 SHORTLIST_SHARE = 0.8  # with packing, units estimated within this share of the best per GPU
 MAX_SHORTLIST = 8  # most units kept for that reason (fill-ins not counted)
 SCREEN_BATCH = 8  # pairs screened at once (the best's rate moves on between batches)
+LEARN_KEYS = 6  # configurations per phase whose goodputs calibrate the others' estimates
 
 
 @dataclass(frozen=True)
@@ -99,9 +101,36 @@ def phase_goodputs(
     # NOTE: the deepest pipelines first: theirs are the longest trials, and started last
     # they would leave one worker running while the others wait
     order = sorted(keys, key=lambda key: -key[1].pp)
-    results = pmap(phase_goodput, [(ctx, phase, c) for phase, c in order])
-    key_to_goodput = dict(zip(order, results, strict=True))
+    # NOTE: a bisection costs two trials when it starts within a step of the answer.
+    # The capacity estimate is off by a factor that differs between workloads (0.2x to
+    # 1.5x) far more than between one search's configurations, so a first wave of each
+    # phase's configurations (LEARN_KEYS, spread over the pipeline depths) is bisected
+    # from the estimate, and the rest from the estimate times the median factor the
+    # first wave found. The same waves on any number of workers: the same plan.
+    first = [key for phase in ("prefill", "decode") for key in _spread(
+        [key for key in order if key[0] == phase], LEARN_KEYS)]
+    key_to_goodput = dict(zip(first, pmap(phase_goodput, [(ctx, *key, 1.0) for key in first]),
+                              strict=True))
+    factors = {}
+    for phase in ("prefill", "decode"):
+        # NOTE: the middle of each bracket (geometric), not its low end: those sit on the
+        # steps from the estimate, and their median would be the estimate itself
+        found = sorted(math.sqrt(goodput.rate_rps * (goodput.fail_rps or goodput.rate_rps))
+                       / phase_estimate(ctx, *key)
+                       for key, goodput in key_to_goodput.items()
+                       if key[0] == phase and goodput.rate_rps > 0)
+        factors[phase] = found[len(found) // 2] if found else 1.0
+    rest = [key for key in order if key not in key_to_goodput]
+    key_to_goodput |= zip(rest, pmap(phase_goodput, [(ctx, *key, factors[key[0]])
+                                                     for key in rest]), strict=True)
     return {key: key_to_goodput[key] for key in keys}
+
+
+def _spread(items: list, count: int) -> list:
+    """count of items, evenly spaced from the first (all of them when there are fewer)."""
+    if len(items) <= count:
+        return items
+    return [items[i * len(items) // count] for i in range(count)]
 
 
 def best_phase_attainment(table: dict[tuple[str, Config], Goodput]) -> float:

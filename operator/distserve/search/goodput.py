@@ -5,7 +5,8 @@ geometric steps from a capacity estimate (a step of STEP_FACTOR, squared after e
 step in the same direction, so that a good estimate costs two trials and a poor one
 only a few more) and then bisected to a relative tolerance. Every trial replays the same sampled requests with arrivals scaled to the
 rate, so two rates differ only in load, and a trial stops as soon as the target is
-out of reach (a failing rate costs little).
+out of reach (a failing rate costs little). `find_goodput_wide` does the same with
+several trials at a time, for one bisection that would leave the search's workers idle.
 """
 
 from __future__ import annotations
@@ -99,3 +100,56 @@ def _bisect(run_trial, slo: SLO, lo: float, lo_att: float, hi: float, rel_tol: f
         else:
             hi = mid
     return Goodput(lo, lo_att, trials, hi)
+
+
+def find_goodput_wide(
+    run_trials: Callable[[list[float]], list[float]], slo: SLO, estimate_rps: float,
+    width: int, rel_tol: float = REL_TOL, known: dict[float, float] | None = None,
+) -> Goodput:
+    """find_goodput with width trials at once: run_trials(rates) gives each rate's
+    attainment. The steps are find_goodput's, width at a time, and the bracket is split
+    into width + 1 (a third at a time on two workers, where bisection halves it).
+    known: attainments already judged at some rates (not run again)."""
+    target = slo.attainment
+    judged: dict[float, float] = dict(known or {})
+
+    def bracket() -> tuple[float | None, float | None]:
+        """(highest passing rate below every miss, lowest missing rate)."""
+        hi = min((r for r, a in judged.items() if a < target), default=None)
+        lo = max((r for r, a in judged.items() if a >= target and (hi is None or r < hi)),
+                 default=None)
+        return lo, hi
+
+    def judge(rates: list[float]) -> tuple[float | None, float | None]:
+        judged.update(zip(rates, run_trials(rates), strict=True))
+        return bracket()
+
+    rate = min(max(estimate_rps, 1e-6), MAX_RATE_RPS) if math.isfinite(estimate_rps) else MAX_RATE_RPS
+    factor = STEP_FACTOR
+    if judged:
+        lo, hi = bracket()
+    else:
+        rates = [rate]
+        while len(rates) < width and rates[-1] < MAX_RATE_RPS:
+            rates.append(min(rates[-1] * factor, MAX_RATE_RPS))
+            factor *= factor
+        lo, hi = judge(rates)
+    while lo is None or hi is None:
+        if hi is None:  # every rate met the target: further up
+            if max(judged) >= MAX_RATE_RPS:
+                return Goodput(lo, judged[lo], len(judged))
+            rates = [max(judged)]
+            for _ in range(width):
+                rates.append(min(rates[-1] * factor, MAX_RATE_RPS))
+                factor *= factor
+        else:  # every rate missed: further down
+            if min(judged) <= estimate_rps / MAX_SHRINK:
+                return Goodput(0.0, judged[min(judged)], len(judged), hi)
+            rates = [min(judged)]
+            for _ in range(width):
+                rates.append(rates[-1] / factor)
+                factor *= factor
+        lo, hi = judge(sorted(set(rates[1:])))
+    while (hi - lo) > rel_tol * lo:
+        lo, hi = judge([lo + (hi - lo) * k / (width + 1) for k in range(1, width + 1)])
+    return Goodput(lo, judged[lo], len(judged), hi)

@@ -19,6 +19,9 @@ from distserve.search.algorithms import UnitChoice
 from distserve.search.placement import Shape, copies_that_fit
 
 MAX_FEWER_COPIES = 2  # a smaller mix has at most this many fewer copies of the first shape
+# Mixes estimated this close below the rate are tried too: the ratio that scales the
+# estimates comes from one bisection, itself only within REL_TOL (3%) of the answer
+FEWER_SLACK = 0.02
 
 
 @dataclass(frozen=True)
@@ -122,9 +125,9 @@ def fewer_gpu_mixes(choices: list[UnitChoice], room: Room, rate_rps: float, serv
     then the highest estimate: as many copies of its first shape or up to
     MAX_FEWER_COPIES fewer, alone or with the fewest copies of another shape that bring
     the estimate, scaled by ratio (what serving's simulation found of its estimate), to
-    the rate."""
+    the rate, less FEWER_SLACK."""
     main, count = serving.shapes[0]
-    wanted_rps = rate_rps / ratio
+    wanted_rps = rate_rps * (1 - FEWER_SLACK) / ratio
     mixes: set[Mix] = set()
     for fewer in range(max(1, count - MAX_FEWER_COPIES), count + 1):
         left_rps = wanted_rps - fewer * main.goodput.rate_rps

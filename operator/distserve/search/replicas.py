@@ -22,7 +22,7 @@ from itertools import groupby
 
 from distserve.plan import PhaseConfig, SegmentPlacement
 from distserve.search.algorithms import UnitChoice
-from distserve.search.goodput import Goodput
+from distserve.search.goodput import Goodput, find_goodput_wide
 from distserve.search.growing import grow_to_rate
 from distserve.search.packing import Mix, Room, choose_mix, fewer_gpu_mixes
 from distserve.search.placement import pair_links, place_shapes
@@ -31,12 +31,14 @@ from distserve.search.trials import (
     Instances,
     SearchContext,
     Unit,
-    meets_target_at,
-    unit_goodput,
+    attainment_at,
 )
 
 MAX_RESIZES = 4  # whole-deployment simulations while growing the copies to the rate
 MAX_FEWER_TRIALS = 8  # whole-deployment trials of mixes on fewer GPUs, once one serves
+# A whole deployment's trials at once: two, the search's usual workers, on any number of
+# them, so that the plan does not depend on the machine
+WIDE_TRIALS = 2
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,9 @@ def replicate(
 def _on_fewer_gpus(pmap: Callable, ctx: SearchContext, choices: list[UnitChoice], room: Room,
                    rate_rps: float, serving: Replicated,
                    progress: Callable[[str], None]) -> Replicated | None:
-    """The mix of fewest GPUs, then most goodput, that serves rate_rps on fewer GPUs than
-    serving (`packing.fewer_gpu_mixes`), each judged by one whole-deployment trial at the
-    rate; None when none does.
+    """The mix of fewest GPUs, then most attainment at rate_rps, that serves rate_rps on
+    fewer GPUs than serving (`packing.fewer_gpu_mixes`), each judged by one
+    whole-deployment trial at the rate; None when none does.
 
     NOTE: a copy too many overshoots by a whole unit (8 x 24 GPUs serving 153 req/s where
     7 serve 109 and 120 are asked); a filler of a smaller shape closes the gap instead.
@@ -125,17 +127,19 @@ def _on_fewer_gpus(pmap: Callable, ctx: SearchContext, choices: list[UnitChoice]
     candidates = fewer_gpu_mixes(choices, room, rate_rps, serving.mix, ratio)
     for num_gpus, group in groupby(candidates[:MAX_FEWER_TRIALS], key=lambda mix: mix.num_gpus):
         drafts = [_placed(ctx, mix, room) for mix in group]
-        passes = pmap(meets_target_at, [(ctx, draft.whole, rate_rps) for draft in drafts])
+        attained = pmap(attainment_at, [(ctx, draft.whole, rate_rps) for draft in drafts])
+        passes = [a >= ctx.slo.attainment for a in attained]
         for draft, ok in zip(drafts, passes, strict=True):
             progress(f"replicas: {draft.mix.describe()} ({num_gpus} GPUs) "
                      f"{'meet' if ok else 'miss'} the SLOs at {rate_rps} req/s")
-        winners = [draft for draft, ok in zip(drafts, passes, strict=True) if ok]
+        winners = [(a, draft) for draft, a, ok in zip(drafts, attained, passes, strict=True) if ok]
         if winners:
-            goodputs = pmap(unit_goodput, [(ctx, w.whole, None, None, rate_rps) for w in winners])
-            best = max(zip(goodputs, winners, strict=True), key=lambda pair: pair[0].rate_rps)
-            progress(f"replicas: {best[1].mix.describe()} ({num_gpus} GPUs) serve "
-                     f"{best[0].rate_rps:.2f} req/s (target {rate_rps} req/s)")
-            return replace(best[1], goodput=best[0])
+            # NOTE: the first of the most attainment at the rate: only its goodput is bisected
+            attainment, best = max(winners, key=lambda pair: pair[0])
+            goodput = whole_goodput(pmap, ctx, best.whole, rate_rps, {rate_rps: attainment})
+            progress(f"replicas: {best.mix.describe()} ({num_gpus} GPUs) serve "
+                     f"{goodput.rate_rps:.2f} req/s (target {rate_rps} req/s)")
+            return replace(best, goodput=goodput)
     return None
 
 
@@ -154,5 +158,15 @@ def _simulated(pmap: Callable, ctx: SearchContext, mix: Mix, room: Room) -> Repl
     if mix.is_single_unit:
         goodput = mix.shapes[0][0].goodput
     else:
-        (goodput,) = pmap(unit_goodput, [(ctx, draft.whole, None, None, mix.estimate_rps)])
+        goodput = whole_goodput(pmap, ctx, draft.whole, mix.estimate_rps)
     return replace(draft, goodput=goodput)
+
+
+def whole_goodput(pmap: Callable, ctx: SearchContext, whole: Instances, estimate_rps: float,
+                  known: dict[float, float] | None = None) -> Goodput:
+    """The goodput of one whole deployment, its trials spread over the search's workers
+    (known: attainments already judged at some rates)."""
+    return find_goodput_wide(
+        lambda rates: pmap(attainment_at, [(ctx, whole, rate) for rate in rates]),
+        ctx.slo, estimate_rps, WIDE_TRIALS, known=known,
+    )

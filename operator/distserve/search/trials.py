@@ -35,7 +35,7 @@ from distserve.simulator import (
 )
 
 INFINITE_S = float("inf")
-PHASE_REL_TOL = 0.08  # coarse bisection: for ranking candidates, refined where it matters
+PHASE_REL_TOL = 0.15  # coarse bisection: for ranking candidates, refined where it matters
 # Typical goodput / busy-time capacity (`_phase_capacity`), so that bisection starts
 # near the answer: decode batches run fuller than the mean request suggests; colocated
 # prefills stall the decodes.
@@ -252,15 +252,27 @@ def unit_goodput(
     )
 
 
+def attainment_at(ctx: SearchContext, unit: Unit | Instances, rate_rps: float) -> float:
+    """The unit's attainment of the context's SLOs in one trial at rate_rps, stopped as
+    soon as the target is out of reach (then below the target, not exact)."""
+    return run_unit(ctx, unit, rate_rps, ctx.slo).attainment(ctx.slo)
+
+
 def meets_target_at(ctx: SearchContext, unit: Unit | Instances, rate_rps: float) -> bool:
     """Whether the unit meets the context's SLO target at rate_rps: one trial, stopped
     as soon as the target is out of reach."""
     return run_unit(ctx, unit, rate_rps, ctx.slo).attainment(ctx.slo) >= ctx.slo.attainment
 
 
-def phase_goodput(ctx: SearchContext, phase: str, config: Config) -> Goodput:
+def phase_estimate(ctx: SearchContext, phase: str, config: Config) -> float:
+    """The requests per second one instance of the phase is estimated to serve alone."""
+    return _phase_capacity_rps(ctx, config, "disaggregated")[0 if phase == "prefill" else 1]
+
+
+def phase_goodput(ctx: SearchContext, phase: str, config: Config, scale: float = 1.0) -> Goodput:
     """Goodput of one prefill instance judged on TTFT alone, or one decode instance on
-    TPOT alone (Algorithm 1's simu_prefill and simu_decode)."""
+    TPOT alone (Algorithm 1's simu_prefill and simu_decode), bisected from the phase's
+    estimate times scale."""
     slo = ctx.slo
     if phase == "prefill":
         unit = Unit(config, config, 1, 0, ctx.intra_node_bytes_per_s)
@@ -270,7 +282,8 @@ def phase_goodput(ctx: SearchContext, phase: str, config: Config) -> Goodput:
         phase_slo = SLO(INFINITE_S, slo.tpot_s, slo.attainment, slo.rule)
     # NOTE: phase goodputs only rank and size candidates, whose joint goodput is then
     # bisected to REL_TOL, so a coarser bracket is enough here.
-    return unit_goodput(ctx, unit, phase_slo, PHASE_REL_TOL)
+    return unit_goodput(ctx, unit, phase_slo, PHASE_REL_TOL,
+                        phase_estimate(ctx, phase, config) * scale)
 
 
 def baseline_goodput(
