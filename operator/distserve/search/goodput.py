@@ -126,30 +126,23 @@ def find_goodput_wide(
 
     rate = min(max(estimate_rps, 1e-6), MAX_RATE_RPS) if math.isfinite(estimate_rps) else MAX_RATE_RPS
     factor = STEP_FACTOR
+    # NOTE: a round's rates are a step apart, and the step is raised to the width's
+    # power after each round: the next round starts where this one ended
     if judged:
         lo, hi = bracket()
     else:
-        rates = [rate]
-        while len(rates) < width and rates[-1] < MAX_RATE_RPS:
-            rates.append(min(rates[-1] * factor, MAX_RATE_RPS))
-            factor *= factor
-        lo, hi = judge(rates)
+        lo, hi = judge(sorted({min(rate * factor**k, MAX_RATE_RPS) for k in range(width)}))
     while lo is None or hi is None:
         if hi is None:  # every rate met the target: further up
             if max(judged) >= MAX_RATE_RPS:
                 return Goodput(lo, judged[lo], len(judged))
-            rates = [max(judged)]
-            for _ in range(width):
-                rates.append(min(rates[-1] * factor, MAX_RATE_RPS))
-                factor *= factor
+            rates = {min(max(judged) * factor**k, MAX_RATE_RPS) for k in range(1, width + 1)}
         else:  # every rate missed: further down
             if min(judged) <= estimate_rps / MAX_SHRINK:
                 return Goodput(0.0, judged[min(judged)], len(judged), hi)
-            rates = [min(judged)]
-            for _ in range(width):
-                rates.append(rates[-1] / factor)
-                factor *= factor
-        lo, hi = judge(sorted(set(rates[1:])))
+            rates = {min(judged) / factor**k for k in range(1, width + 1)}
+        factor **= width
+        lo, hi = judge(sorted(rates - judged.keys()))
     while (hi - lo) > rel_tol * lo:
         lo, hi = judge([lo + (hi - lo) * k / (width + 1) for k in range(1, width + 1)])
     return Goodput(lo, judged[lo], len(judged), hi)
