@@ -58,7 +58,7 @@ def find_goodput(
         attained = run_trial(rate, slo).attainment(slo)
         return attained >= slo.attainment, attained
 
-    rate = min(max(estimate_rps, 1e-6), MAX_RATE_RPS) if math.isfinite(estimate_rps) else MAX_RATE_RPS
+    rate = _start_rate(estimate_rps)
     ok, attained = passes(rate)
     factor = STEP_FACTOR
     if ok:
@@ -86,6 +86,11 @@ def find_goodput(
         if lo is None:
             return Goodput(0.0, lo_att, trials, hi)
     return _bisect(run_trial, slo, lo, lo_att, hi, rel_tol, trials)
+
+
+def _start_rate(estimate_rps: float) -> float:
+    """Where stepping starts: the estimate, within (0, MAX_RATE_RPS]."""
+    return min(max(estimate_rps, 1e-6), MAX_RATE_RPS) if math.isfinite(estimate_rps) else MAX_RATE_RPS
 
 
 def _bisect(run_trial, slo: SLO, lo: float, lo_att: float, hi: float, rel_tol: float,
@@ -124,7 +129,7 @@ def find_goodput_wide(
         judged.update(zip(rates, run_trials(rates), strict=True))
         return bracket()
 
-    rate = min(max(estimate_rps, 1e-6), MAX_RATE_RPS) if math.isfinite(estimate_rps) else MAX_RATE_RPS
+    rate = _start_rate(estimate_rps)
     factor = STEP_FACTOR
     # NOTE: a round's rates are a step apart, and the step is raised to the width's
     # power after each round: the next round starts where this one ended

@@ -128,11 +128,13 @@ def _on_fewer_gpus(pmap: Callable, ctx: SearchContext, choices: list[UnitChoice]
     for num_gpus, group in groupby(candidates[:MAX_FEWER_TRIALS], key=lambda mix: mix.num_gpus):
         drafts = [_placed(ctx, mix, room) for mix in group]
         attained = pmap(attainment_at, [(ctx, draft.whole, rate_rps) for draft in drafts])
-        passes = [a >= ctx.slo.attainment for a in attained]
-        for draft, ok in zip(drafts, passes, strict=True):
+        winners = []
+        for draft, attainment in zip(drafts, attained, strict=True):
+            ok = attainment >= ctx.slo.attainment
             progress(f"replicas: {draft.mix.describe()} ({num_gpus} GPUs) "
                      f"{'meet' if ok else 'miss'} the SLOs at {rate_rps} req/s")
-        winners = [(a, draft) for draft, a, ok in zip(drafts, attained, passes, strict=True) if ok]
+            if ok:
+                winners.append((attainment, draft))
         if winners:
             # NOTE: the first of the most attainment at the rate: only its goodput is bisected
             attainment, best = max(winners, key=lambda pair: pair[0])

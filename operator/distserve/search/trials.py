@@ -261,7 +261,7 @@ def attainment_at(ctx: SearchContext, unit: Unit | Instances, rate_rps: float) -
 def meets_target_at(ctx: SearchContext, unit: Unit | Instances, rate_rps: float) -> bool:
     """Whether the unit meets the context's SLO target at rate_rps: one trial, stopped
     as soon as the target is out of reach."""
-    return run_unit(ctx, unit, rate_rps, ctx.slo).attainment(ctx.slo) >= ctx.slo.attainment
+    return attainment_at(ctx, unit, rate_rps) >= ctx.slo.attainment
 
 
 def phase_estimate(ctx: SearchContext, phase: str, config: Config) -> float:
