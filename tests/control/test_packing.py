@@ -7,8 +7,9 @@ import pytest
 from test_search import make_spec
 
 from distserve.plan import Plan
-from distserve.search import build_context, plan_deployment
-from distserve.search.algorithms import UnitChoice
+from distserve.search import algorithms, build_context, plan_deployment
+from distserve.search.algorithms import UnitChoice, _promising
+from distserve.search.candidates import ClusterShape
 from distserve.search.curves import plan_unit
 from distserve.search.goodput import Goodput
 from distserve.search.packing import Mix, Room, choose_mix, fewer_gpu_mixes
@@ -215,3 +216,37 @@ def test_the_plan_does_not_depend_on_the_number_of_workers():
                 for plan in plans)
     assert one == two
     assert plans[0].is_mixed or plans[0].num_gpus < 12  # copies were packed, not one unit
+
+
+def test_phases_of_pairs_estimated_far_below_the_best_are_not_simulated():
+    # three pairs on 8-GPU nodes, by their phases' estimates (req/s per instance):
+    # A 5 req/s per GPU on 4 GPUs a node; B 1 per GPU, same footprint; C 1.5 per GPU,
+    # the only pair of 2 GPUs a node
+    a_prefill, a_decode, b_prefill, b_decode = Config(2, 1), Config(1, 2), Config(1, 2), Config(2, 1)
+    one_gpu = Config(1, 1)
+    pairs = [(1, a_prefill, a_decode, a_prefill, a_decode),
+             (1, b_prefill, b_decode, b_prefill, b_decode),
+             (1, one_gpu, one_gpu, one_gpu, one_gpu)]
+    estimates = {("prefill", a_prefill): 20.0, ("decode", a_decode): 20.0,
+                 ("prefill", b_prefill): 4.0, ("decode", b_decode): 4.0,
+                 ("prefill", one_gpu): 3.0, ("decode", one_gpu): 3.0}
+    kept = _promising(ClusterShape(4, 8, 4), pairs, estimates.__getitem__)
+    # B is under half of A's; C is too, but no other pair fills 2 GPUs a node
+    assert kept == {("prefill", a_prefill), ("decode", a_decode),
+                    ("prefill", one_gpu), ("decode", one_gpu)}
+
+
+def test_leaving_out_unpromising_phases_keeps_the_plan(monkeypatch):
+    spec = make_spec(cluster={"nodes": 2, "gpusPerNode": 6, "nodeAffinity": "low"},
+                     workload={"rateRps": 20.0})
+    runs = []
+    for share in (0.0, algorithms.PROMISING_SHARE):  # 0: every pair's phases simulated
+        monkeypatch.setattr(algorithms, "PROMISING_SHARE", share)
+        lines: list[str] = []
+        plan = plan_deployment(spec, progress=lines.append)
+        simulated = next(line for line in lines if "phase simulations for pairs" in line)
+        runs.append(({k: v for k, v in plan.to_dict().items() if k != "search_seconds"},
+                     int(simulated.split(": ")[1].split()[0])))
+    (every, every_count), (promising, promising_count) = runs
+    assert promising == every
+    assert promising_count < every_count

@@ -1,7 +1,9 @@
-"""The search's pool size: the container's CPU limit (cgroup v2 or v1) and affinity,
-never the host's core count."""
+"""The search's pool: its size is the container's CPU limit (cgroup v2 or v1) and
+affinity, never the host's core count; work queued on it runs on workers a map leaves idle."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -62,3 +64,20 @@ def test_the_search_pool_takes_the_limit_not_the_host_count(monkeypatch, many_co
     monkeypatch.setattr(planner, "usable_cpus", lambda: 3)
     assert planner._pool(None).workers == 3
     assert planner._pool(5).workers == 5  # spec.planner.workers wins
+
+
+def test_queued_work_runs_on_a_worker_a_map_leaves_idle():
+    with planner._pool(2) as pmap:
+        work = pmap.later(pow, [(2, k) for k in range(6)])
+        assert work.next == 0  # nothing starts before a map waits
+        assert pmap(time.sleep, [(0.2,)]) == [None]  # one task: one worker idle
+        assert work.next >= 1  # started beside it
+        assert pmap.collect(work) == [2**k for k in range(6)]  # the rest ran now
+        assert not pmap.queued and pmap(pow, [(3, 2), (2, 3)]) == [9, 8]
+
+
+def test_queued_work_on_one_worker_runs_when_collected():
+    with planner._pool(1) as pmap:
+        work = pmap.later(pow, [(2, k) for k in range(3)])
+        assert pmap(pow, [(3, 2)]) == [9] and work.next == 0
+        assert pmap.collect(work) == [1, 2, 4]

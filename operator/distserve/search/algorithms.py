@@ -50,6 +50,10 @@ SHORTLIST_SHARE = 0.8  # with packing, units estimated within this share of the 
 MAX_SHORTLIST = 8  # most units kept for that reason (fill-ins not counted)
 SCREEN_BATCH = 8  # pairs screened at once (the best's rate moves on between batches)
 LEARN_KEYS = 6  # configurations per phase whose goodputs calibrate the others' estimates
+# With packing, the phases of a pair are simulated only when its calibrated estimate per
+# GPU comes within this share of the best (the shortlist then keeps SHORTLIST_SHARE of
+# the best simulated), or it is the best of its footprint
+PROMISING_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -95,9 +99,13 @@ def phase_table(
 
 
 def phase_goodputs(
-    pmap: Callable, ctx: SearchContext, keys: list[tuple[str, Config]]
+    pmap: Callable, ctx: SearchContext, keys: list[tuple[str, Config]],
+    worth: Callable[[Callable[[tuple[str, Config]], float]], set] | None = None,
 ) -> dict[tuple[str, Config], Goodput]:
-    """Goodput of each (phase, config) of keys alone, simulated in parallel."""
+    """Goodput of each (phase, config) of keys alone, simulated in parallel.
+
+    worth: given each key's calibrated estimate (req/s), the keys worth simulating
+    beyond the first wave; the others are left out of the table (default: all)."""
     # NOTE: the deepest pipelines first: theirs are the longest trials, and started last
     # they would leave one worker running while the others wait
     order = sorted(keys, key=lambda key: -key[1].pp)
@@ -121,9 +129,12 @@ def phase_goodputs(
                        if key[0] == phase and goodput.rate_rps > 0)
         factors[phase] = found[len(found) // 2] if found else 1.0
     rest = [key for key in order if key not in key_to_goodput]
+    if worth is not None:
+        kept = worth(lambda key: phase_estimate(ctx, *key) * factors[key[0]])
+        rest = [key for key in rest if key in kept]
     key_to_goodput |= zip(rest, pmap(phase_goodput, [(ctx, *key, factors[key[0]])
                                                      for key in rest]), strict=True)
-    return {key: key_to_goodput[key] for key in keys}
+    return {key: key_to_goodput[key] for key in keys if key in key_to_goodput}
 
 
 def _spread(items: list, count: int) -> list:
@@ -239,8 +250,15 @@ def algorithm2(
                    for phase, config in (("prefill", prefill), ("decode", decode))})
     progress(f"algorithm 2: {len(set(configs))} instance configurations, {len(keys)} of "
              f"their {2 * len(set(configs))} phase simulations in pairs that share a node")
-    table = phase_goodputs(pmap, ctx, keys)
+    worth = (lambda estimate: _promising(cluster, pairs, estimate)) if is_packing else None
+    table = phase_goodputs(pmap, ctx, keys, worth)
+    if is_packing:
+        progress(f"algorithm 2: {len(table)} phase simulations for pairs estimated within "
+                 f"{PROMISING_SHARE:.0%} of the best per GPU or best of their footprint")
     ranked = _ranked_units(ctx, cluster, pairs, table)
+    if not ranked and len(table) < len(keys):  # the estimates misled: the others too
+        table |= phase_goodputs(pmap, ctx, [key for key in keys if key not in table])
+        ranked = _ranked_units(ctx, cluster, pairs, table)
     if not ranked:  # what a user is told is the best attainment of every configuration
         table |= phase_table(pmap, ctx, [c for c in configs
                                          if {("prefill", c), ("decode", c)} - table.keys()])
@@ -350,13 +368,38 @@ def _pairs(ctx, cluster, inter_op_to_segments, min_kv):
                     yield inter_op, prefill_segment, decode_segment, prefill, decode
 
 
+def _promising(cluster: ClusterShape, pairs, estimate: Callable) -> set[tuple[str, Config]]:
+    """The (phase, config) keys of the pairs whose estimate per GPU (`balance` of the
+    phases' estimates) comes within PROMISING_SHARE of the best, and of the best pair of
+    every footprint (GPUs per node), whose copies fill what others leave free."""
+    scored = []
+    for _, prefill_segment, decode_segment, prefill, decode in pairs:
+        keys = (("prefill", prefill), ("decode", decode))
+        num_prefill, num_decode, rate_rps = balance(
+            estimate(keys[0]), prefill_segment.num_gpus, estimate(keys[1]),
+            decode_segment.num_gpus, cluster.gpus_per_node)
+        footprint = num_prefill * prefill_segment.num_gpus + num_decode * decode_segment.num_gpus
+        if rate_rps > 0:
+            num_gpus = num_prefill * prefill.num_gpus + num_decode * decode.num_gpus
+            scored.append((rate_rps / num_gpus, footprint, keys))
+    best = max((per_gpu for per_gpu, _, _ in scored), default=0.0)
+    kept, footprints = set(), set()
+    for per_gpu, footprint, keys in sorted(scored, key=lambda item: -item[0]):
+        if per_gpu >= PROMISING_SHARE * best or footprint not in footprints:
+            kept.update(keys)
+        footprints.add(footprint)
+    return kept
+
+
 def _ranked_units(ctx, cluster, pairs, table) -> list[tuple[float, Unit, int]]:
-    """Every feasible (estimate per GPU, unit, inter_op) of the pairs (`_pairs`), best
-    estimate first: the slower phase's count x one instance's goodput (an order, no
-    bound; module NOTE). The counts per node balance the two phases' goodputs on one
-    node's GPUs."""
+    """Every feasible (estimate per GPU, unit, inter_op) of the pairs (`_pairs`) whose
+    phases are in the table, best estimate first: the slower phase's count x one
+    instance's goodput (an order, no bound; module NOTE). The counts per node balance
+    the two phases' goodputs on one node's GPUs."""
     ranked = []
     for inter_op, prefill_segment, decode_segment, prefill, decode in pairs:
+        if ("prefill", prefill) not in table or ("decode", decode) not in table:
+            continue
         num_prefill, num_decode, estimate_rps = balance(
             table[("prefill", prefill)].rate_rps, prefill_segment.num_gpus,
             table[("decode", decode)].rate_rps, decode_segment.num_gpus,

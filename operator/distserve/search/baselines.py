@@ -27,20 +27,30 @@ def baseline_configs(configs: list[Config], gpus_per_node: int) -> list[Config]:
     return [c for c in configs if c.num_gpus == smallest]
 
 
+def coarse_pass(ctx: SearchContext, configs: list[Config]) -> tuple[Callable, list[tuple]]:
+    """(function, argument tuples) of the first, coarse pass over the configurations:
+    what `best_baselines` maps, or is given the results of (run beforehand)."""
+    return baseline_goodput, [(ctx, n, c, PHASE_REL_TOL) for n, c in _keys(configs)]
+
+
+def _keys(configs: list[Config]) -> list[tuple[str, Config]]:
+    return [(name, c) for name in BASELINES for c in configs]
+
+
 def best_baselines(
     pmap: Callable, ctx: SearchContext, configs: list[Config], num_gpus: int,
-    progress: Callable[[str], None],
+    progress: Callable[[str], None], coarse_goodputs: list[Goodput] | None = None,
 ) -> dict[str, BaselineResult]:
-    """Per baseline, its best configuration replicated over num_gpus GPUs.
+    """Per baseline, its best configuration replicated over num_gpus GPUs
+    (coarse_goodputs: the results of `coarse_pass`, when it ran already).
 
     NOTE: every configuration is bisected coarsely (PHASE_REL_TOL) first; only those
     whose bracket reaches the best per-GPU goodput are then narrowed to REL_TOL, so
     the winner and its goodput are those of a full bisection at a fraction of the trials.
     """
     progress(f"baselines: {len(configs)} configurations x {len(BASELINES)} engines")
-    keys = [(name, c) for name in BASELINES for c in configs]
-    coarse = dict(zip(keys, pmap(
-        baseline_goodput, [(ctx, n, c, PHASE_REL_TOL) for n, c in keys]), strict=True))
+    keys = _keys(configs)
+    coarse = dict(zip(keys, coarse_goodputs or pmap(*coarse_pass(ctx, configs)), strict=True))
     contenders = [key for key in keys if _can_win(key, coarse)]
     results = dict(zip(contenders, pmap(
         baseline_goodput, [(ctx, n, c, REL_TOL, coarse[(n, c)]) for n, c in contenders]),

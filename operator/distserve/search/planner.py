@@ -13,8 +13,9 @@ workload and rate, a latency correction), without rewriting the spec.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 
 from distserve.catalog import get_accelerator, get_model
@@ -22,7 +23,7 @@ from distserve.catalog.accelerators import GBIT_BYTES
 from distserve.latency import Correction, SourceChoice, choose_source
 from distserve.plan import PhaseConfig, Plan, is_low_affinity
 from distserve.search.algorithms import UnitChoice
-from distserve.search.baselines import baseline_configs, best_baselines
+from distserve.search.baselines import baseline_configs, best_baselines, coarse_pass
 from distserve.search.candidates import ClusterShape, Config, instance_configs
 from distserve.search.cpus import usable_cpus
 from distserve.search.packing import Room
@@ -83,7 +84,12 @@ def plan_deployment(
     max_gpus = min(spec.planner.max_gpus or cluster.num_gpus, cluster.num_gpus)
     sizing = Sizing(None if is_capacity else rate, is_capacity, Room(names, per_node, max_gpus))
     algorithm = plan_algorithm(spec)
+    with_baselines = overrides.with_baselines and ctx.latency.can_time("colocated")
     with _pool(spec.planner.workers) as pmap:
+        # NOTE: the baselines' configurations are known before the search, so their
+        # first pass runs on workers the search leaves idle
+        base_configs = baseline_configs(configs, per_node) if with_baselines else []
+        coarse = pmap.later(*coarse_pass(ctx, base_configs)) if base_configs else None
         if spec.placement is not None:
             plan = _fixed(pmap, ctx, spec, names, per_node, rate)
         else:
@@ -91,11 +97,10 @@ def plan_deployment(
                 pmap, ctx, model, cluster, min_kv, configs, progress, sizing, algorithm
             )
         base = {}
-        if overrides.with_baselines and ctx.latency.can_time("colocated"):
+        if with_baselines:
             base = best_baselines(
-                pmap, ctx,
-                baseline_configs(configs, per_node) or [Config(plan.prefill.tp, plan.prefill.pp)],
-                plan.num_gpus, progress,
+                pmap, ctx, base_configs or [Config(plan.prefill.tp, plan.prefill.pp)],
+                plan.num_gpus, progress, pmap.collect(coarse) if coarse else None,
             )
         elif overrides.with_baselines:
             progress(f"baselines skipped: {ctx.latency.profile_path} has no colocated engine")
@@ -265,13 +270,32 @@ def _replace(plan: Plan, **changes) -> Plan:
     return replace(plan, **changes)
 
 
+class _Later:
+    """Work queued on a `_pool` for workers that would otherwise wait: one function over
+    argument tuples, each started when a worker is free (`_pool.later`)."""
+
+    def __init__(self, fn: Callable, arg_tuples: list[tuple]) -> None:
+        self.fn, self.arg_tuples = fn, arg_tuples
+        self.futures: list[Future | None] = [None] * len(arg_tuples)  # None: not started
+        self.next = 0  # the first not started
+
+
 class _pool:
-    """A process pool as a map over argument tuples (inline with one worker)."""
+    """A process pool as a map over argument tuples (inline with one worker).
+
+    NOTE: a map waits for its slowest task, and the search's maps are often one or two
+    tasks (a whole deployment's trials, the plan's latencies), so a worker waits for a
+    share of the search. Work that needs nothing the search finds (the baselines' first
+    pass) is queued with `later` and started on a worker only while a map leaves it
+    idle; `collect` runs what never started. Results are the same as run at once.
+    """
 
     def __init__(self, workers: int | None) -> None:
         # NOTE: the container's CPU limit, not the host's cores (see `cpus`).
         self.workers = workers or usable_cpus()
         self.executor = None
+        self.queued: deque[_Later] = deque()
+        self.started: set[Future] = set()  # queued work started and maybe not done
 
     def __enter__(self):
         if self.workers > 1:
@@ -283,7 +307,39 @@ class _pool:
             self.executor.shutdown(cancel_futures=True)
 
     def __call__(self, fn, arg_tuples: list[tuple]) -> list:
-        if self.executor is None or len(arg_tuples) == 1:
+        if self.executor is None or (len(arg_tuples) == 1 and not self.queued):
             return [fn(*args) for args in arg_tuples]
         futures = [self.executor.submit(fn, *args) for args in arg_tuples]
+        while pending := {f for f in futures if not f.done()}:
+            self._fill(len(pending))
+            wait(pending | self.started, return_when=FIRST_COMPLETED)
         return [f.result() for f in futures]
+
+    def later(self, fn, arg_tuples: list[tuple]) -> _Later:
+        """fn over arg_tuples, run while workers would idle; `collect` gives the results."""
+        work = _Later(fn, arg_tuples)
+        if self.executor is not None:
+            self.queued.append(work)
+        return work
+
+    def collect(self, work: _Later) -> list:
+        """The results of work queued with `later`; what never started runs now."""
+        if work in self.queued:
+            self.queued.remove(work)
+        rest = list(range(work.next, len(work.arg_tuples)))
+        ran = dict(zip(rest, self(work.fn, [work.arg_tuples[i] for i in rest]), strict=True)
+                   ) if rest else {}
+        return [ran[i] if i in ran else work.futures[i].result()
+                for i in range(len(work.arg_tuples))]
+
+    def _fill(self, busy: int) -> None:
+        """Start queued work on the workers that busy tasks leave free."""
+        self.started = {f for f in self.started if not f.done()}
+        while self.queued and busy + len(self.started) < self.workers:
+            work = self.queued[0]
+            future = self.executor.submit(work.fn, *work.arg_tuples[work.next])
+            work.futures[work.next] = future
+            self.started.add(future)
+            work.next += 1
+            if work.next == len(work.arg_tuples):
+                self.queued.popleft()

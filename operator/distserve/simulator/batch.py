@@ -70,7 +70,8 @@ class DecodeBatch:
     c + (n - j) tokens at step n, so the total context is `offset + size * n`.
     """
 
-    __slots__ = ("timer", "step", "time_s", "size", "offset", "_finish", "_members", "_joins")
+    __slots__ = ("timer", "step", "time_s", "size", "offset", "_finish", "_members", "_joins",
+                 "_line")
 
     def __init__(self, timer: StageTimer) -> None:
         self.timer = timer
@@ -82,6 +83,7 @@ class DecodeBatch:
         # rid -> (offset, finish step, join no, first token time), in the order they joined
         self._members: dict[int, tuple[int, int, int, float]] = {}
         self._joins = 0
+        self._line: tuple[float, float] | None = None  # `line()` until the batch changes
 
     def add(self, rid: int, context_tokens: int, steps_left: int, first_token_s: float) -> None:
         """Join at the current boundary; the request leaves after steps_left steps.
@@ -93,6 +95,7 @@ class DecodeBatch:
         self._members[rid] = (offset, finish, self._joins, first_token_s)
         self.offset += offset
         self.size += 1
+        self._line = None
 
     def total_context(self) -> int:
         """Tokens of KV the batch holds at the current step (the newest ones included)."""
@@ -122,21 +125,28 @@ class DecodeBatch:
         offset, finish, _, first_s = self._members.pop(rid)
         self.offset -= offset
         self.size -= 1
+        self._line = None
         return rid, offset + self.step, finish - self.step, first_s
+
+    def line(self) -> tuple[float, float]:
+        """(first_s, growth_s): the next step takes first_s, and each one after it
+        growth_s longer, while the membership holds. Kept until the batch changes."""
+        line = self._line
+        if line is None:
+            alpha, slope = self.timer.decode_line(self.size)
+            line = self._line = (alpha + slope * self.total_context(), slope * self.size)
+        return line
 
     def duration_s(self, num_steps: int) -> float:
         """Seconds for the next num_steps iterations at the current membership."""
-        alpha, slope = self.timer.decode_line(self.size)
-        first = alpha + slope * self.total_context()
-        return num_steps * first + slope * self.size * num_steps * (num_steps - 1) / 2
+        first, growth = self._line or self.line()
+        return num_steps * first + growth * num_steps * (num_steps - 1) / 2
 
     def steps_by(self, elapsed_s: float) -> int:
         """The fewest steps whose duration reaches elapsed_s (the boundary at or after it)."""
         if elapsed_s <= 0:
             return 0
-        alpha, slope = self.timer.decode_line(self.size)
-        first = alpha + slope * self.total_context()
-        growth = slope * self.size  # each step is this much longer than the one before
+        first, growth = self._line or self.line()
         if growth <= 0:
             steps = math.ceil(elapsed_s / first)
         else:
@@ -153,6 +163,7 @@ class DecodeBatch:
         requests that finished."""
         self.step += num_steps
         self.time_s = time_s
+        self._line = None
         done = []
         finish = self._finish
         self._drop_stale()
@@ -244,9 +255,13 @@ class DecodeRun:
 
     def sync(self) -> None:
         """Bring the pool's sum up to date after the batch or the run changed."""
-        if self.pool is not None:
-            held = self.tokens_held()
-            self.pool.total += held - self.held
+        pool = self.pool
+        if pool is not None:
+            batch, step = self.batch, self.decide_step  # tokens_held(), inline: a hot path
+            if step is None:
+                step = self.target_step if self.is_stepping else batch.step
+            held = batch.offset + batch.size * step
+            pool.total += held - self.held
             self.held = held
 
     def hold_at(self, step: int | None) -> None:
@@ -269,12 +284,13 @@ class DecodeRun:
         batch = self.batch
         if version == self.version and seen_s <= elapsed_s:
             # every boundary before the one found is before elapsed_s too: look on
+            first, growth = batch.line()
             for _ in range(MAX_BOUNDARY_SCAN):
                 if elapsed_s <= duration_s:
                     self._boundary = (version, elapsed_s, steps, duration_s)
                     return steps, duration_s
                 steps += 1
-                duration_s = batch.duration_s(steps)
+                duration_s = steps * first + growth * steps * (steps - 1) / 2  # duration_s()
         steps = batch.steps_by(elapsed_s)
         duration_s = batch.duration_s(steps)
         self._boundary = (self.version, elapsed_s, steps, duration_s)

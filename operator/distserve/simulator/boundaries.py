@@ -57,9 +57,10 @@ class BoundaryQueue:
             elapsed_s = now_s - batch.time_s
             if step >= 0 and duration_s >= elapsed_s:
                 return time_s, run, version, step
-            heapq.heappop(heap)
             steps, duration_s = run.first_boundary_by(elapsed_s)
             if batch.step + steps < run.target_step:
-                heapq.heappush(heap, (batch.time_s + duration_s, lane, version,
-                                      batch.step + steps, duration_s))
+                heapq.heapreplace(heap, (batch.time_s + duration_s, lane, version,
+                                         batch.step + steps, duration_s))
+            else:
+                heapq.heappop(heap)
         return None

@@ -79,6 +79,7 @@ class _Sim:
         self.prefills: list[_Prefill] = []
         self.decodes: list[_Decode] = []
         self.nearest_decodes: list[set[int]] = []  # per prefill: decodes on its fastest link
+        self.nearest_lists: list[list[_Decode]] = []  # the same, as instances in order
         self.can_decode_across_nodes = True  # False: a request stays with its nearest decodes
         self.is_prefill_only = False
         self.max_decode_batch = 0
@@ -109,21 +110,23 @@ class _Sim:
         plan, or all of them where none is (or every link is the same)."""
         for p in range(num_prefills):
             fastest = min((d.s_per_token[p] for d in self.decodes), default=0.0)
-            self.nearest_decodes.append({d.idx for d in self.decodes if d.s_per_token[p] == fastest})
+            near = [d for d in self.decodes if d.s_per_token[p] == fastest]
+            self.nearest_decodes.append({d.idx for d in near})
+            self.nearest_lists.append(near)
 
     def hand_to_decode(self, rid: int, prefill_idx: int) -> None:
         """The router's `pick_decode`: least loaded with room near the prefill, else with
         room anywhere, else any; kept near (no crossing), least loaded near with room,
         else least loaded near."""
         decodes = self.decodes
+        near = self.nearest_decodes[prefill_idx] if prefill_idx >= 0 else None
+        if near is not None and not self.can_decode_across_nodes:
+            decodes = self.nearest_lists[prefill_idx]  # the others are never chosen
         if len(decodes) > 1:
             loads = [(d.load(), d.kv_usage(), d.idx) for d in decodes]
-            near = self.nearest_decodes[prefill_idx] if prefill_idx >= 0 else None
-            if near is not None and not self.can_decode_across_nodes:
-                loads = [x for x in loads if x[2] in near]
             roomy = [x for x in loads if policy.has_decode_room(x[0], x[1], self.max_decode_batch)]
             local = [x for x in roomy if near is None or x[2] in near]
-            decodes = [decodes[min(local or roomy or loads)[2]]]
+            decodes = [self.decodes[min(local or roomy or loads)[2]]]
         decodes[0].offer(rid, prefill_idx)
 
 
@@ -164,12 +167,12 @@ class _Prefill:
         room = self.inst.kv_capacity_tokens - self.held_tokens
         count = policy.num_prefill_batch(
             ((prompt[r], prompt[r]) for r in queue), self.max_tokens, room, len(queue))
-        rids = [queue.popleft() for _ in range(count)]
-        total = sum(prompt[r] for r in rids)
-        if not rids:
+        if not count:
             return  # memory full: a pull's release() retries
-        self.held_tokens += total
-        stage_s, handoff_s = self.inst.timer.prefill_batch_s(tuple(prompt[r] for r in rids))
+        rids = [queue.popleft() for _ in range(count)]
+        lens = tuple([prompt[r] for r in rids])
+        self.held_tokens += sum(lens)
+        stage_s, handoff_s = self.inst.timer.prefill_batch_s(lens)
         ready_s, free = loop.now, self.stage_free_s
         for k, free_s in enumerate(free):  # each stage starts when it and the batch are free
             if free_s < ready_s:
