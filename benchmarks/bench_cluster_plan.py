@@ -3,7 +3,8 @@
 For each case (a target rate, or the cluster's capacity as `distserve plan --capacity`
 plans it) and each repeat: the plan (groups per phase), GPUs used, predicted goodput,
 the search's wall and CPU seconds (this process and its search workers), and the load
-average beside them, since the machine may be shared.
+average beside them, since the machine may be shared; before and after, the seconds of a
+fixed Python loop, so that runs on machines (or minutes) of different speed compare.
 Run: python benchmarks/bench_cluster_plan.py [--rates 120 150] [--capacity] [--repeats 2]
 """
 
@@ -19,6 +20,15 @@ from distserve.search import plan_deployment
 from distserve.spec import load_manifest
 
 SPEC = Path(__file__).resolve().parents[1] / "examples" / "opt-175b-chatbot-h100-cluster.yaml"
+
+
+def reference_loop_s() -> float:
+    """Seconds of a fixed pure-Python loop: how fast this machine runs the simulator's
+    kind of code right now (a shared 2-core machine drifts by tens of percent)."""
+    started, total = time.perf_counter(), 0
+    for i in range(10_000_000):
+        total += i
+    return time.perf_counter() - started
 
 
 def _cpu_s() -> float:
@@ -43,6 +53,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None)
     args = parser.parse_args()
     cases = [(rate, False) for rate in args.rates] + ([(None, True)] if args.capacity else [])
+    print(f"reference loop {reference_loop_s():.2f} s (10M additions) before", flush=True)
     for rate, is_capacity in cases:
         for repeat in range(args.repeats):
             spec = load_manifest(SPEC).spec
@@ -58,6 +69,7 @@ def main() -> None:
                   f"{plan.num_gpus} GPUs, goodput {plan.goodput_rps:.2f} req/s{short}; "
                   f"search wall {wall_s:.1f} s cpu {cpu_s:.1f} s (all processes); "
                   f"load {load1:.1f} {load5:.1f} on {os.cpu_count()} cores", flush=True)
+    print(f"reference loop {reference_loop_s():.2f} s (10M additions) after", flush=True)
 
 
 if __name__ == "__main__":

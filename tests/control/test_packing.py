@@ -15,7 +15,7 @@ from distserve.search.goodput import Goodput
 from distserve.search.packing import Mix, Room, choose_mix, fewer_gpu_mixes
 from distserve.search.placement import place_shapes
 from distserve.search.replicas import replicate
-from distserve.search.trials import Config, Unit, run_unit, unit_goodput
+from distserve.search.trials import Config, Unit, latency_stats, run_unit, unit_goodput
 
 
 def make_choice(gpus_per_node: int, goodput_rps: float, nodes: int = 1) -> UnitChoice:
@@ -132,6 +132,9 @@ def test_capacity_fills_the_cluster_with_copies_simulated_whole():
     ctx = build_context(spec)
     whole = run_unit(ctx, plan_unit(ctx, plan), plan.goodput_rps, None)
     assert whole.attainment(ctx.slo) >= 0.9
+    # the plan's percentiles, kept from the bisection's trial at its goodput, are those
+    # of a full trial there
+    assert plan.latency == latency_stats(whole) and plan.attainment == whole.attainment(ctx.slo)
 
 
 def test_a_rate_beyond_the_cluster_gets_the_best_plan_that_fits_and_its_shortfall():

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import groupby
 
-from distserve.plan import PhaseConfig, SegmentPlacement
+from distserve.plan import LatencyStats, PhaseConfig, SegmentPlacement
 from distserve.search.algorithms import UnitChoice
 from distserve.search.goodput import Goodput, find_goodput_wide
 from distserve.search.growing import grow_to_rate
@@ -31,7 +31,7 @@ from distserve.search.trials import (
     Instances,
     SearchContext,
     Unit,
-    attainment_at,
+    judged_at,
 )
 
 MAX_RESIZES = 4  # whole-deployment simulations while growing the copies to the rate
@@ -50,6 +50,8 @@ class Replicated:
     segments: tuple[SegmentPlacement, ...]
     goodput: Goodput
     is_limited: bool  # the cluster or the budget holds no mix that serves more
+    # percentiles of the whole deployment's full trial at the goodput, when one ran
+    latency: LatencyStats | None = None
 
     def groups(self, role: str) -> tuple[PhaseConfig, ...]:
         """The phase's instance groups, one per shape (equal shapes in a row merged)."""
@@ -127,21 +129,22 @@ def _on_fewer_gpus(pmap: Callable, ctx: SearchContext, choices: list[UnitChoice]
     candidates = fewer_gpu_mixes(choices, room, rate_rps, serving.mix, ratio)
     for num_gpus, group in groupby(candidates[:MAX_FEWER_TRIALS], key=lambda mix: mix.num_gpus):
         drafts = [_placed(ctx, mix, room) for mix in group]
-        attained = pmap(attainment_at, [(ctx, draft.whole, rate_rps) for draft in drafts])
+        judged = pmap(judged_at, [(ctx, draft.whole, rate_rps) for draft in drafts])
         winners = []
-        for draft, attainment in zip(drafts, attained, strict=True):
+        for draft, (attainment, latency) in zip(drafts, judged, strict=True):
             ok = attainment >= ctx.slo.attainment
             progress(f"replicas: {draft.mix.describe()} ({num_gpus} GPUs) "
                      f"{'meet' if ok else 'miss'} the SLOs at {rate_rps} req/s")
             if ok:
-                winners.append((attainment, draft))
+                winners.append((attainment, latency, draft))
         if winners:
             # NOTE: the first of the most attainment at the rate: only its goodput is bisected
-            attainment, best = max(winners, key=lambda pair: pair[0])
-            goodput = whole_goodput(pmap, ctx, best.whole, rate_rps, {rate_rps: attainment})
+            attainment, latency, best = max(winners, key=lambda found: found[0])
+            goodput, latency = whole_goodput(pmap, ctx, best.whole, rate_rps,
+                                             {rate_rps: (attainment, latency)})
             progress(f"replicas: {best.mix.describe()} ({num_gpus} GPUs) serve "
                      f"{goodput.rate_rps:.2f} req/s (target {rate_rps} req/s)")
-            return replace(best, goodput=goodput)
+            return replace(best, goodput=goodput, latency=latency)
     return None
 
 
@@ -158,17 +161,25 @@ def _simulated(pmap: Callable, ctx: SearchContext, mix: Mix, room: Room) -> Repl
     """The mix placed, and its goodput simulated as one deployment."""
     draft = _placed(ctx, mix, room)
     if mix.is_single_unit:
-        goodput = mix.shapes[0][0].goodput
-    else:
-        goodput = whole_goodput(pmap, ctx, draft.whole, mix.estimate_rps)
-    return replace(draft, goodput=goodput)
+        return replace(draft, goodput=mix.shapes[0][0].goodput)
+    goodput, latency = whole_goodput(pmap, ctx, draft.whole, mix.estimate_rps)
+    return replace(draft, goodput=goodput, latency=latency)
 
 
-def whole_goodput(pmap: Callable, ctx: SearchContext, whole: Instances, estimate_rps: float,
-                  known: dict[float, float] | None = None) -> Goodput:
-    """The goodput of one whole deployment, its trials spread over the search's workers
-    (known: attainments already judged at some rates)."""
-    return find_goodput_wide(
-        lambda rates: pmap(attainment_at, [(ctx, whole, rate) for rate in rates]),
-        ctx.slo, estimate_rps, WIDE_TRIALS, known=known,
-    )
+def whole_goodput(
+    pmap: Callable, ctx: SearchContext, whole: Instances, estimate_rps: float,
+    known: dict[float, tuple[float, LatencyStats | None]] | None = None,
+) -> tuple[Goodput, LatencyStats | None]:
+    """The goodput of one whole deployment, its trials spread over the search's workers,
+    and the latency percentiles of its trial at that rate (`judged_at`; None when none
+    ran there). known: (attainment, percentiles) already judged at some rates."""
+    seen = dict(known or {})
+
+    def run_trials(rates: list[float]) -> list[float]:
+        seen.update(zip(rates, pmap(judged_at, [(ctx, whole, rate) for rate in rates]),
+                        strict=True))
+        return [seen[rate][0] for rate in rates]
+
+    goodput = find_goodput_wide(run_trials, ctx.slo, estimate_rps, WIDE_TRIALS,
+                                known={rate: judged[0] for rate, judged in seen.items()})
+    return goodput, seen.get(goodput.rate_rps, (0.0, None))[1]

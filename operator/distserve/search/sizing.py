@@ -19,8 +19,14 @@ from distserve.search.algorithms import UnitChoice, algorithm1, algorithm2
 from distserve.search.packing import Room
 from distserve.search.placement import ClusterTooSmall, place_instances, place_units
 from distserve.search.replicas import replicate
-from distserve.search.trials import Instances, SearchContext, Unit, run_unit, unit_goodput
-from distserve.simulator import SimResult
+from distserve.search.trials import (
+    Instances,
+    SearchContext,
+    Unit,
+    latency_stats,
+    run_unit,
+    unit_goodput,
+)
 
 
 class NoFeasiblePlan(ValueError):
@@ -76,7 +82,8 @@ def low_affinity_plan(pmap, ctx: SearchContext, model, cluster, min_kv, sizing: 
     if copies is None:
         raise _too_large(min((c.unit for c in choices), key=lambda u: u.num_gpus), sizing)
     return _plan("low-affinity", pmap, ctx, (copies.groups("prefill"), copies.groups("decode")),
-                 copies.whole, copies.segments, copies.goodput.rate_rps, sizing)
+                 copies.whole, copies.segments, copies.goodput.rate_rps, sizing,
+                 (copies.latency, copies.goodput.attainment) if copies.latency else None)
 
 
 def high_affinity_plan(pmap, ctx: SearchContext, configs, cluster, sizing: Sizing,
@@ -116,11 +123,13 @@ def _too_large(unit: Unit, sizing: Sizing) -> NoFeasiblePlan:
 
 def assemble_plan(algorithm, pmap, ctx: SearchContext, groups, whole: Unit | Instances,
                   segments, goodput_rps: float, rate_rps: float | None,
-                  limited_by: str = "") -> Plan:
+                  limited_by: str = "",
+                  latency: tuple[LatencyStats, float] | None = None) -> Plan:
     """The plan of (prefill groups, decode groups) placed on segments, with the latencies
-    of its instances simulated together at goodput_rps: the one place a Plan is made."""
+    of its instances simulated together at goodput_rps: the one place a Plan is made.
+    latency: (percentiles, attainment) of that trial when it ran already."""
     (prefill, *extra_prefill), (decode, *extra_decode) = groups
-    stats, attained = latency_at(pmap, ctx, whole, goodput_rps)
+    stats, attained = latency or latency_at(pmap, ctx, whole, goodput_rps)
     return Plan(
         algorithm=algorithm, model=ctx.model, accelerator=ctx.accelerator,
         prefill=prefill, decode=decode, segments=segments,
@@ -134,13 +143,14 @@ def assemble_plan(algorithm, pmap, ctx: SearchContext, groups, whole: Unit | Ins
 
 
 def _plan(algorithm, pmap, ctx: SearchContext, groups, whole: Unit | Instances, segments,
-          goodput_rps: float, sizing: Sizing) -> Plan:
+          goodput_rps: float, sizing: Sizing,
+          latency: tuple[LatencyStats, float] | None = None) -> Plan:
     """The sized plan, naming what limits it where that kept it below the rate (or where
     it is the capacity)."""
     rate = sizing.rate_rps
     is_limited = (rate and goodput_rps < rate) or sizing.is_capacity
     return assemble_plan(algorithm, pmap, ctx, groups, whole, segments, goodput_rps, rate,
-                         sizing.limit if is_limited else "")
+                         sizing.limit if is_limited else "", latency)
 
 
 def check_goodput(choice: UnitChoice, ctx: SearchContext) -> None:
@@ -159,11 +169,3 @@ def latency_at(pmap, ctx: SearchContext, unit: Unit | Instances,
     """Percentiles and attainment of a full trial (no early exit) at rate_rps."""
     (result,) = pmap(run_unit, [(ctx, unit, rate_rps, None)])
     return latency_stats(result), result.attainment(ctx.slo)
-
-
-def latency_stats(result: SimResult) -> LatencyStats:
-    """p50/p90/p99 TTFT and TPOT of a trial."""
-    q = result.percentile_s
-    return LatencyStats(
-        q("ttft", 50), q("ttft", 90), q("ttft", 99), q("tpot", 50), q("tpot", 90), q("tpot", 99)
-    )

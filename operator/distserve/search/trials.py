@@ -21,6 +21,7 @@ from distserve.latency import (
     kv_capacity_tokens,
     prefill_saturation_tokens,
 )
+from distserve.plan import LatencyStats
 from distserve.search.candidates import Config
 from distserve.search.goodput import REL_TOL, Goodput, find_goodput
 from distserve.simulator import (
@@ -256,6 +257,26 @@ def attainment_at(ctx: SearchContext, unit: Unit | Instances, rate_rps: float) -
     """The unit's attainment of the context's SLOs in one trial at rate_rps, stopped as
     soon as the target is out of reach (then below the target, not exact)."""
     return run_unit(ctx, unit, rate_rps, ctx.slo).attainment(ctx.slo)
+
+
+def judged_at(ctx: SearchContext, unit: Unit | Instances,
+              rate_rps: float) -> tuple[float, LatencyStats | None]:
+    """`attainment_at`, and the trial's latency percentiles when it met the target.
+
+    NOTE: a trial that meets the target never stops early, so its percentiles are those
+    of the full trial that the plan reports at its goodput (`sizing.latency_at`): kept,
+    that trial is not run again."""
+    result = run_unit(ctx, unit, rate_rps, ctx.slo)
+    attainment = result.attainment(ctx.slo)
+    return attainment, latency_stats(result) if attainment >= ctx.slo.attainment else None
+
+
+def latency_stats(result: SimResult) -> LatencyStats:
+    """p50/p90/p99 TTFT and TPOT of a trial."""
+    q = result.percentile_s
+    return LatencyStats(
+        q("ttft", 50), q("ttft", 90), q("ttft", 99), q("tpot", 50), q("tpot", 90), q("tpot", 99)
+    )
 
 
 def meets_target_at(ctx: SearchContext, unit: Unit | Instances, rate_rps: float) -> bool:
