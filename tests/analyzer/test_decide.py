@@ -129,6 +129,24 @@ def test_a_rising_rate_is_sized_for_where_its_trend_leads():
     assert decision.action == "keep"
 
 
+def test_a_falling_rate_is_sized_for_where_it_goes_not_for_the_window():
+    evaluator = FakeEvaluator()  # 8 GPUs serve 4 req/s
+    state = DecisionState(reference=make_observation(900, 4.0, seed=1))
+    window = make_observation(1200, 4.0, seed=2)
+    # 4 req/s over the window, 2.5 over its last third: a burst of the older part ended
+    recent = replace(window, window_s=300.0, num_requests=750, arrival_rate_rps=2.5)
+    decision = decide(replace(window, recent=recent), make_plan(), make_settings(), state,
+                      evaluator)
+    assert decision.numbers.forecast_rate_rps == pytest.approx(2.5)
+    assert decision.numbers.sized_rate_rps == pytest.approx(1.2 * 2.5)
+    assert decision.action == "keep"  # not scaled up for the ended burst (1.2 x 4 req/s)
+    # A last third within Poisson noise of the rest: sized for the window's rate.
+    noisy = replace(window, recent=replace(recent, num_requests=1170, arrival_rate_rps=3.9))
+    decision = decide(noisy, make_plan(), make_settings(), state, evaluator)
+    assert decision.numbers.sized_rate_rps == pytest.approx(1.2 * 4.0)
+    assert decision.action == "replan" and decision.plan.num_gpus > 8
+
+
 def test_a_shortfall_only_at_the_sized_rate_does_not_drain_serving_instances():
     # 16 GPUs serve 8 req/s: 7.5 req/s is met now, 1.2 x 7.5 = 9 is a shortfall ahead.
     state = DecisionState(reference=make_observation(900, 7.5, seed=1))

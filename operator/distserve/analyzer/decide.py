@@ -9,8 +9,9 @@ once per interval and pass back the `DecisionState` it returns. In order:
    reshuffle fell inside it) are blended into the running correction;
 3. the current plan is simulated on the traffic ahead (`forecast.py`: the window's
    trend carried to the end of the horizon a plan chosen now serves, an interval and a
-   weight loading ahead) at the sized rate: the window's rate or, when higher, the
-   forecast one, times `headroom`; a trigger is a predicted or observed miss of the
+   weight loading ahead) at the sized rate: the forecast rate where the rate moves
+   significantly (up or down), else the window's rate or, when higher, the recent
+   one, times `headroom`; a trigger is a predicted or observed miss of the
    attainment target, or a shift of rate or length mix against the window the plan was
    last checked for (a predicted miss counts only when the model also reproduces the
    observed attainment);
@@ -199,7 +200,11 @@ def decide(
     state = replace(state, correction=_corrected(state, plan, observation, settings, evaluator))
     traffic_ahead = forecast(
         observation, settings.interval_seconds + settings.reload_seconds, thresholds)
-    sized_rps = max(observation.arrival_rate_rps, traffic_ahead.rate_rps) * settings.headroom
+    # NOTE: a rate seen to fall (a burst that ended, the evening) is sized for where it
+    # is going; otherwise for the window's rate when higher than the recent one (noise)
+    ahead_rps = traffic_ahead.rate_rps if traffic_ahead.is_rate_trend else max(
+        observation.arrival_rate_rps, traffic_ahead.rate_rps)
+    sized_rps = ahead_rps * settings.headroom
     ahead = traffic_ahead.workload
     predicted = evaluator.predict(plan, ahead, sized_rps, state.correction)
     numbers = replace(
