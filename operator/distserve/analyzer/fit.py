@@ -10,21 +10,34 @@ integers `(lo, hi]` is the continuous interval `(lo + 0.5, hi + 0.5]` (the first
 at 0); the fit and the sampler agree on what a bucket holds.
 
 Each family of `FAMILIES` (two parameters, location fixed at 0) is fitted, and the one
-of highest likelihood is chosen; with the same number of parameters that is also the
+of highest likelihood is kept; with the same number of parameters that is also the
 lowest AIC. A family is started from the moments of a log-normal fitted to the buckets'
 geometric midpoints and refined with Nelder-Mead on the log of its parameters.
+
+No two-parameter family holds a mixture of workloads (short code prompts beside long
+summarization ones while traffic moves from one to the other): the best of them put
+the mean of such a window's prompts 20% low. So the kept family is held against the
+histogram itself (`HISTOGRAM`: each bucket's share spread evenly over its integers, as
+`scipy.stats.rv_histogram` does; its likelihood is the highest any model reaches on
+these counts), and the one of lower BIC wins: the histogram's free parameters are its
+buckets with counts less one, so a small or well-fitted window keeps the smooth
+family, and a large window the family cannot describe keeps its own shape. A window
+with counts above the last finite bound (+Inf) always gets a family: the histogram
+has no upper end there.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from distserve.analyzer.observation import LengthFit
 
 FAMILIES = ("lognorm", "gamma", "weibull_min")
+HISTOGRAM = "histogram"  # `LengthFit.family` of a fit that is the histogram's own shape
 MIN_PROBABILITY = 1e-300  # a bucket the fit gives no mass costs log(1e-300), not -inf
 
 
@@ -111,24 +124,37 @@ def fit_family(family: str, bucket_upper_tokens: Sequence[float],
 
 
 def fit_lengths(bucket_upper_tokens: Sequence[float], bucket_counts: Sequence[float],
-                families: Sequence[str] = FAMILIES) -> LengthFit | None:
-    """The family of highest likelihood on the binned counts; None when no request was counted."""
+                families: Sequence[str] = FAMILIES, with_histogram: bool = True) -> LengthFit | None:
+    """The family of highest likelihood on the binned counts, or the histogram's own shape
+    where its BIC is lower (see the module docstring); None when no request was counted."""
     check_histogram(bucket_upper_tokens, bucket_counts)
-    if float(np.sum(bucket_counts)) <= 0:
+    counts = np.asarray(bucket_counts, dtype=float)
+    total = float(np.sum(counts))
+    if total <= 0:
         return None
     best: tuple[float, str, tuple[float, float]] | None = None
     for family in families:
         params, ll = fit_family(family, bucket_upper_tokens, bucket_counts)
         if best is None or ll > best[0]:
             best = (ll, family, params)
-    _, family, (shape, scale) = best
-    dist = _dist(family, np.log([shape, scale]))
-    return LengthFit(
-        family=family,
-        params=(shape, 0.0, scale),  # scipy.stats order: shape, loc, scale
-        mean_tokens=float(dist.mean()),
-        p50_tokens=float(dist.ppf(0.5)),
-        p90_tokens=float(dist.ppf(0.9)),
-        bucket_upper_tokens=tuple(float(u) for u in bucket_upper_tokens),
-        bucket_counts=tuple(float(c) for c in bucket_counts),
-    )
+    best_ll, family, (shape, scale) = best
+    upper = tuple(float(u) for u in bucket_upper_tokens)
+    kept = tuple(float(c) for c in bucket_counts)
+    if with_histogram and _histogram_wins(best_ll, counts, upper, total):
+        fit = LengthFit(HISTOGRAM, (), 0.0, 0.0, 0.0, upper, kept)
+    else:
+        fit = LengthFit(family, (shape, 0.0, scale), 0.0, 0.0, 0.0, upper, kept)  # scipy.stats order
+    dist = fit.distribution()
+    return replace(fit, mean_tokens=float(dist.mean()), p50_tokens=float(dist.ppf(0.5)),
+                   p90_tokens=float(dist.ppf(0.9)))
+
+
+def _histogram_wins(family_ll: float, counts: np.ndarray, upper: tuple[float, ...],
+                    total: float) -> bool:
+    """Whether the histogram's BIC is below the family's (2 parameters) on these counts."""
+    if math.isinf(upper[-1]) and counts[-1] > 0:
+        return False
+    used = counts[counts > 0]
+    histogram_ll = float(np.sum(used * np.log(used / total)))
+    penalty = (len(used) - 1 - 2) * math.log(total)
+    return 2.0 * (histogram_ll - family_ll) > penalty

@@ -17,19 +17,31 @@ import numpy as np
 class LengthFit:
     """A length distribution fitted to a histogram's binned counts (tokens)."""
 
-    family: str  # the scipy.stats family chosen, e.g. "lognorm"
-    params: tuple[float, ...]  # its parameters, as scipy.stats takes them
+    family: str  # the scipy.stats family chosen, e.g. "lognorm", or "histogram" (the counts' own shape)
+    params: tuple[float, ...]  # its parameters, as scipy.stats takes them (none for "histogram")
     mean_tokens: float
     p50_tokens: float
     p90_tokens: float
     bucket_upper_tokens: tuple[float, ...]  # the histogram's upper bounds (le), +Inf last
     bucket_counts: tuple[float, ...]  # requests per bucket in the window (not cumulative)
 
-    def sample(self, num: int, rng: np.random.Generator, max_tokens: int | None = None) -> np.ndarray:
-        """`num` lengths drawn from the fit (at least 1, at most `max_tokens`), for the simulator."""
+    def distribution(self):
+        """The fitted distribution as a frozen `scipy.stats` one (continuous: a draw rounds to
+        its integer length). The histogram's (`fit.HISTOGRAM`) spreads each bucket's share
+        evenly over its integers, the +Inf bucket (then empty) left out."""
         import scipy.stats
 
-        values = getattr(scipy.stats, self.family).rvs(*self.params, size=num, random_state=rng)
+        if self.family != "histogram":
+            return getattr(scipy.stats, self.family)(*self.params)
+        upper = np.asarray(self.bucket_upper_tokens, dtype=float)
+        counts = np.asarray(self.bucket_counts, dtype=float)
+        finite = np.isfinite(upper)
+        edges = np.concatenate([[0.0], upper[finite] + 0.5])  # integers (lo, hi] as in fit.py
+        return scipy.stats.rv_histogram((counts[finite], edges), density=False)
+
+    def sample(self, num: int, rng: np.random.Generator, max_tokens: int | None = None) -> np.ndarray:
+        """`num` lengths drawn from the fit (at least 1, at most `max_tokens`), for the simulator."""
+        values = self.distribution().rvs(size=num, random_state=rng)
         values = np.maximum(1, np.rint(values)).astype(np.int64)
         return np.minimum(values, max_tokens) if max_tokens else values
 
