@@ -9,13 +9,15 @@ summarization, and bursts once. Every interval each strategy looks at the last w
 (b) replica-only (the peers' method): the same parallelism and prefill:decode ratio,
     copies sized for the observed rate on the observed workload;
 (c) replanning: `analyzer.decide` (hold, cooldown, minimum gain, weight-loading cost).
-A move costs `--reload-s` of weight loading per step, as the incremental reshuffle
-does it: new instances start first where free GPUs allow (the old plan serves
-meanwhile, one step); the rest start one at a time, each on the GPUs of an old instance
-drained for it, so that the old plan less one instance serves for as many steps as
-that takes (capacity never drops below a plan minus one instance; the new instances
-that are already up are not counted: a pessimistic simplification). Each interval's
-requests are simulated on what served them (from empty queues).
+A move is the operator's incremental reshuffle (`k8s.reshuffling.plan_reshuffle`, on the
+plans' nodes and GPUs): instances the two plans share stay; new instances start first
+where free GPUs allow; the rest each wait for an old instance to drain and start on its
+GPUs; every new instance loads weights for `--reload-s` before it serves, and a drain
+waits until the instances created before it serve. What serves changes at each of
+those moments (old instances not yet drained beside new ones already up), and the GPUs
+held count every instance created or not yet deleted. Each interval's requests are
+simulated on what served them, piece by piece (from empty queues); a request that
+arrives while a phase has no instance serving fails.
 
 Run: python benchmarks/replan.py --plot replan.png
 """
@@ -23,6 +25,7 @@ Run: python benchmarks/replan.py --plot replan.png
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -33,25 +36,36 @@ from replan_traffic import APPS, Seen, Traffic, make_traffic, mix_at, observe
 from distserve.analyzer.decide import DecisionState, decide
 from distserve.analyzer.observe import RECENT_SHARE
 from distserve.analyzer.replan import SearchEvaluator
-from distserve.analyzer.scaling import ratio_text, started_gpus
+from distserve.analyzer.scaling import free_beside, plan_instances, ratio_text
 from distserve.analyzer.settings import ReplanningSpec
 from distserve.catalog import get_model
+from distserve.k8s.reshuffling import Instance, plan_reshuffle
 from distserve.latency import Correction
-from distserve.plan import PhaseConfig, Plan
+from distserve.plan import Plan, SegmentPlacement
 from distserve.search import SearchOverrides, build_context, plan_deployment
+from distserve.search.candidates import Config
 from distserve.search.placement import pair_links
-from distserve.search.replicas import whole_unit
-from distserve.search.trials import instance_model, prefill_tokens
-from distserve.simulator import SLO, Trace, TransferModel, simulate_disaggregated
+from distserve.search.trials import Instances, simulate_unit
+from distserve.simulator import SLO, Trace
 from distserve.spec import parse_spec
 
+NODES, GPUS_PER_NODE = 4, 8
 SPEC = {
     "model": {"name": "facebook/opt-66b"},
     "slo": {"ttftSeconds": 2.5, "tpotSeconds": 0.15, "attainment": 0.9},
     "workload": {"dataset": "code"},
-    "cluster": {"nodes": 4, "gpusPerNode": 8, "accelerator": "A100-80GB",
+    "cluster": {"nodes": NODES, "gpusPerNode": GPUS_PER_NODE, "accelerator": "A100-80GB",
                 "nodeAffinity": "low", "interNodeBandwidthGbps": 25},
 }
+
+
+@dataclass(frozen=True)
+class Piece:
+    """From `from_s` on (until the next piece), these instances serve and this many GPUs are held."""
+
+    from_s: float
+    instances: tuple[Instance, ...]
+    gpus: int
 
 
 @dataclass
@@ -65,9 +79,8 @@ class Strategy:
     reshuffles: int = 0
     state: DecisionState = field(default_factory=DecisionState)
     last_move_s: float = -1e18
-    transition: Plan | None = None  # what serves while a move loads weights
-    transition_until_s: float = 0.0
-    transition_gpus: int = 0  # GPUs held meanwhile
+    moving: tuple[Piece, ...] = ()  # what serves while a move runs, from each piece's start
+    moved_s: float = 0.0  # when the move ends (then the plan serves)
     ttft_s: np.ndarray | None = None  # per request of the day, NaN until served
     tpot_s: np.ndarray | None = None
 
@@ -142,9 +155,9 @@ def move(strategies, traffic: Traffic, now_s: float, settings, evaluator, max_le
                 sized = f" [sized {n.sized_rate_rps:.2f} req/s]" if n.sized_rate_rps else ""
                 print(f"    (c) {decision.action} {decision.kind or ''}: {decision.reason}{sized}")
         if new is not None:
-            serving, duration_s, held = transition(s.plan, new, 32, settings.reload_seconds)
-            s.transition, s.transition_until_s, s.transition_gpus = (
-                serving, now_s + duration_s, held)
+            s.moving = reshuffle_pieces(s.plan, new, now_s, settings.reload_seconds)
+            s.moved_s = s.moving[-1].from_s if s.moving else now_s
+            s.moving = s.moving[:-1]  # the last piece is the new plan itself
             s.plan, s.reshuffles, s.last_move_s = new, s.reshuffles + 1, now_s
 
 
@@ -175,11 +188,16 @@ def replica_only(s: Strategy, observation, now_s: float, settings, evaluator) ->
 
 def serve(s: Strategy, traffic: Traffic, start_s, end_s, truth) -> None:
     """Simulate the interval's requests on what served them; record attainment and GPUs."""
-    split_s = min(end_s, max(start_s, s.transition_until_s))
-    if split_s > start_s:
-        simulate(s, s.transition, traffic, traffic.between(start_s, split_s), start_s, truth)
-    simulate(s, s.plan, traffic, traffic.between(split_s, end_s), split_s, truth)
-    gpus_s = s.transition_gpus * (split_s - start_s) + s.plan.num_gpus * (end_s - split_s)
+    pieces = [p for p in s.moving if p.from_s < s.moved_s]
+    pieces.append(Piece(s.moved_s, plan_instances(s.plan, "now"), s.plan.num_gpus))
+    gpus_s = 0.0
+    for k, piece in enumerate(pieces):
+        until_s = pieces[k + 1].from_s if k + 1 < len(pieces) else math.inf
+        lo, hi = max(start_s, piece.from_s if k else -math.inf), min(end_s, until_s)
+        if hi <= lo:
+            continue
+        simulate(s, piece.instances, traffic, traffic.between(lo, hi), lo, truth)
+        gpus_s += piece.gpus * (hi - lo)
     index = traffic.between(start_s, end_s)
     slo = truth.slo
     with np.errstate(invalid="ignore"):
@@ -188,48 +206,65 @@ def serve(s: Strategy, traffic: Traffic, start_s, end_s, truth) -> None:
     s.gpus.append(gpus_s / (end_s - start_s))
 
 
-def transition(old: Plan, new: Plan, cluster_gpus: int, reload_s: float) -> tuple[Plan, float, int]:
-    """What serves while a move loads weights, for how long, and the GPUs held meanwhile."""
-    free = cluster_gpus - old.num_gpus
-    waiting = 0  # new instances that must wait for an old one to drain
-    for role in ("prefill", "decode"):
-        a, b = getattr(old, role), getattr(new, role)
-        kept = a.instances if (a.tp, a.pp) == (b.tp, b.pp) else 0
-        for _ in range(max(0, b.instances - kept)):
-            if b.gpus_per_instance <= free:
-                free -= b.gpus_per_instance
-            else:
-                waiting += 1
-    if waiting == 0:
-        return old, reload_s, old.num_gpus + started_gpus(old, new)
-    larger = "prefill" if old.prefill.instances >= old.decode.instances else "decode"
-    phase = getattr(old, larger)
-    if phase.instances > 1:
-        fewer = PhaseConfig(phase.tp, phase.pp, phase.instances - 1)
-        segments = tuple(seg for seg in old.segments
-                         if seg.role != larger or seg.instance < fewer.instances)
-        old = replace(old, segments=segments, **{larger: fewer})
-    return old, waiting * reload_s, max(old.num_gpus, new.num_gpus)
+def gpus_of(instance: Instance) -> int:
+    return sum(instance.node_to_gpus.values())
+
+
+def reshuffle_pieces(old: Plan, new: Plan, now_s: float, reload_s: float) -> tuple[Piece, ...]:
+    """What serves from now until the move ends, piece by piece (the last piece: the new
+    plan, from when the move ends); see the module docstring."""
+    before, after = plan_instances(old, "old"), plan_instances(new, "new")
+    free = free_beside(old, [f"node-{i}" for i in range(NODES)], GPUS_PER_NODE)
+    steps = plan_reshuffle(before, after, free).steps
+    t_s, ready_s = now_s, now_s
+    up: dict[str, float] = {}  # new instance -> when it serves
+    down: dict[str, float] = {}  # old instance -> when its drain starts
+    held = [(now_s, sum(gpus_of(i) for i in before))]  # (time, change of GPUs held)
+    for step in steps:
+        if step.action == "create":
+            up[step.instance.name] = t_s + reload_s
+            ready_s = max(ready_s, t_s + reload_s)
+            held.append((t_s, gpus_of(step.instance)))
+        elif step.action == "drain":
+            t_s = max(t_s, ready_s)
+            down[step.instance.name] = t_s
+        else:
+            held.append((t_s, -gpus_of(step.instance)))
+    moments = sorted({now_s, *up.values(), *down.values(), *(t for t, _ in held)})
+    pieces = []
+    for moment in moments:
+        serving = tuple([i for i in before if down.get(i.name, math.inf) > moment]
+                        + [i for i in after if up.get(i.name, math.inf) <= moment])
+        gpus = sum(change for t, change in held if t <= moment)
+        if not pieces or (serving, gpus) != (pieces[-1].instances, pieces[-1].gpus):
+            pieces.append(Piece(moment, serving, gpus))
+    return tuple(pieces)
 
 
 def simulate(
-    s: Strategy, plan: Plan, traffic: Traffic, index: np.ndarray, start_s: float, truth
+    s: Strategy, instances, traffic: Traffic, index: np.ndarray, start_s: float, truth
 ) -> None:
-    """These requests served by plan, from empty queues."""
+    """These requests served by these instances, from empty queues (failed where a phase
+    has none)."""
     if len(index) == 0:
         return
+    prefill = [i for i in instances if i.role == "prefill"]
+    decode = [i for i in instances if i.role == "decode"]
+    if not prefill or not decode:
+        s.ttft_s[index], s.tpot_s[index] = math.inf, math.inf
+        return
+    segments = tuple(
+        SegmentPlacement(i.role, number, stage, node, gpu_ids)
+        for group in (prefill, decode) for number, i in enumerate(group)
+        for stage, (node, gpu_ids) in enumerate(i.stages)
+    )
+    links = pair_links(segments, truth.intra_node_bytes_per_s, truth.inter_node_bytes_per_s)
+    served = Instances(tuple(Config(i.tp, i.pp) for i in prefill),
+                       tuple(Config(i.tp, i.pp) for i in decode),
+                       tuple(tuple(row) for row in links))
     trace = Trace(traffic.arrival_s[index] - start_s, traffic.prompt_tokens[index],
                   traffic.output_tokens[index])
-    links = pair_links(plan.segments, truth.intra_node_bytes_per_s, truth.inter_node_bytes_per_s)
-    unit = whole_unit(plan.prefill, plan.decode, links)
-    result = simulate_disaggregated(
-        trace, [instance_model(truth, "disaggregated", unit.prefill)] * unit.n_prefill,
-        [instance_model(truth, "disaggregated", unit.decode)] * unit.n_decode,
-        transfer=TransferModel(get_model(truth.model).kv_bytes_per_token, unit.link_bytes_per_s),
-        max_prefill_tokens=prefill_tokens(truth, unit.prefill),
-        max_decode_batch=truth.max_decode_batch,
-        can_decode_across_nodes=truth.can_decode_across_nodes,
-    )
+    result = simulate_unit(truth, served, trace)
     s.ttft_s[index], s.tpot_s[index] = result.ttft_s, result.tpot_s
 
 

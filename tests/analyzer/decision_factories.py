@@ -15,6 +15,7 @@ from analyzer_factories import make_histogram
 
 from distserve.analyzer.observation import LengthFit, Observation
 from distserve.analyzer.replan import Prediction
+from distserve.analyzer.scaling import change_kind
 from distserve.latency import Correction
 from distserve.plan import PhaseConfig, Plan
 from distserve.workload import load_lengths
@@ -75,10 +76,11 @@ class FakeEvaluator:
     attainment_target = 0.9
 
     def __init__(self, per_gpu_rps: float = 0.5, fitted: Correction | None = None,
-                 free: int | None = None) -> None:
+                 free: int | None = None, dark: tuple[str, ...] = ()) -> None:
         self.per_gpu_rps = per_gpu_rps
         self.fitted = fitted
         self.free = free  # GPUs a plan leaves free (None: unknown)
+        self.dark = dark  # phases a move to another shape leaves without a serving instance
         self.searches = 0
 
     def best_shape(self, observation: Observation):
@@ -103,12 +105,15 @@ class FakeEvaluator:
         copies = max(1, math.ceil(rate_rps / self.capacity_rps(one, observation)))
         return make_plan(shape, copies)
 
-    def search(self, observation, rate_rps, correction) -> Plan | None:
+    def search(self, observation, rate_rps, correction, beside=None) -> Plan | None:
         self.searches += 1
         return self._sized(self.best_shape(observation), observation, rate_rps)
 
     def scale(self, plan, observation, rate_rps, correction) -> Plan | None:
         return self._sized(shape_of(plan), observation, rate_rps)
+
+    def dark_phases(self, current, new) -> tuple[str, ...]:
+        return self.dark if change_kind(current, new) != "replicas" else ()
 
     def free_gpus(self, plan) -> int | None:
         return self.free

@@ -321,3 +321,24 @@ def test_a_shift_under_way_is_planned_for_where_the_mix_is_now():
     decision = decide(ramping, make_plan(copies=4), make_settings(), state, evaluator)
     assert decision.action == "replan" and shape_of(decision.plan) == LONG_SHAPE
     assert decision.numbers.predicted_attainment < 0.9  # judged on the long prompts
+
+
+def test_a_move_that_leaves_a_phase_without_a_serving_instance_goes_last():
+    # the short shape (8 GPUs) serves the short prompts best; a move to it from the long
+    # shape would drain the last prefill instance before its replacement serves
+    windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 2.0, seed=2)]
+    settings = make_settings(holdSeconds=0)
+    _, whole = run(windows, make_plan(LONG_SHAPE, copies=2), settings, FakeEvaluator())
+    assert whole.action == "replan" and shape_of(whole.plan) == SHORT_SHAPE
+    dark = FakeEvaluator(dark=("prefill",))
+    _, fewer = run(windows, make_plan(LONG_SHAPE, copies=2), settings, dark)
+    assert fewer.action == "replan" and fewer.kind == "replicas"  # 48 -> 24 GPUs, all serving
+    assert (fewer.numbers.current_gpus, fewer.numbers.new_gpus) == (48, 24)
+    seen = DecisionState(reference=windows[0])
+    kept = decide(windows[1], make_plan(LONG_SHAPE), settings, seen, dark)  # 24 GPUs meet 2 req/s
+    assert kept.action == "keep"
+    assert "would leave prefill with no serving instance while its replacement loads" in kept.reason
+    # a miss still moves to the plan that meets the target when nothing else does
+    missed = replace(windows[1], attainment=0.5)
+    moved = decide(missed, make_plan(LONG_SHAPE), settings, seen, dark)
+    assert moved.action == "replan" and shape_of(moved.plan) == SHORT_SHAPE

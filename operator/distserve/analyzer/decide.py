@@ -22,8 +22,11 @@ once per interval and pass back the `DecisionState` it returns. In order:
    on none (the loading, not the plan, is what it measured);
 5. two candidates, the current shape with more or fewer copies (`scale`) and the
    search's plan (`search`), are simulated on the same workload; the cheapest that
-   meets the target wins. A miss moves to it; otherwise it must save `minGain` of the
-   GPUs, and more GPU-seconds over the cooldown than its weight loading costs. A
+   meets the target wins, first among those whose reshuffle keeps an instance of each
+   phase serving (`dark_phases`: the operator's reshuffle may have to drain a phase's
+   last instance to make room for its replacement). A miss moves to it; otherwise it
+   must keep both phases serving, save `minGain` of the GPUs, and more GPU-seconds over
+   the cooldown than its weight loading costs. A
    shortfall only at the sized rate (the plan is seen or predicted to meet the target
    at the present rate) moves only to a plan whose new instances start on free GPUs:
    draining instances that serve now would cause the miss it means to prevent.
@@ -66,13 +69,19 @@ class PlanEvaluator(Protocol):
         ...
 
     def search(self, observation: Observation, rate_rps: float,
-               correction: Correction) -> Plan | None:
-        """The search's plan for the observed workload at rate_rps."""
+               correction: Correction, beside: Plan | None = None) -> Plan | None:
+        """The search's plan for the observed workload at rate_rps (placed where `beside`,
+        the plan that serves now, leaves GPUs free)."""
         ...
 
     def scale(self, plan: Plan, observation: Observation, rate_rps: float,
               correction: Correction) -> Plan | None:
         """The current shape with as many copies as rate_rps needs."""
+        ...
+
+    def dark_phases(self, current: Plan, new: Plan) -> tuple[str, ...]:
+        """The phases the reshuffle from current to new leaves without a serving instance
+        while a replacement loads its weights."""
         ...
 
     def free_gpus(self, plan: Plan) -> int | None:
@@ -277,7 +286,7 @@ def _choose(
         (candidate, evaluator.predict(candidate, ahead, rate, correction))
         for candidate in (
             evaluator.scale(plan, ahead, rate, correction),
-            evaluator.search(ahead, rate, correction),
+            evaluator.search(ahead, rate, correction, beside=plan),
         )
         if candidate is not None and change_kind(plan, candidate) is not None
     ]
@@ -291,11 +300,17 @@ def _choose(
                 f"{present_rps:.2f} req/s and every better plan would drain instances that "
                 f"serve now ({free} GPUs free)", numbers, settled, observation, verdict=verdict)
         candidates = beside
+    # NOTE: a move that leaves a phase with no serving instance while its replacement
+    # loads fails every request of those minutes: a candidate whose move keeps both
+    # phases serving goes first, and only a miss may take one that does not
+    dark = {id(c): evaluator.dark_phases(plan, c) for c, _ in candidates}
     meeting = [(c, p) for c, p in candidates if p.attainment >= target]
     if meeting:
-        best, best_prediction = min(meeting, key=lambda cp: (cp[0].num_gpus, started_gpus(plan, cp[0])))
+        best, best_prediction = min(meeting, key=lambda cp: (
+            bool(dark[id(cp[0])]), cp[0].num_gpus, started_gpus(plan, cp[0])))
     elif miss and candidates:
-        best, best_prediction = max(candidates, key=lambda cp: cp[1].attainment)
+        best, best_prediction = max(candidates, key=lambda cp: (
+            not dark[id(cp[0])], cp[1].attainment))
         if best_prediction.attainment <= numbers.predicted_attainment:
             return _decision("keep", f"{miss}, and no plan within the budget does better",
                              numbers, settled, observation, verdict=verdict)
@@ -311,7 +326,7 @@ def _choose(
         reshuffle_cost_gpu_s=started_gpus(plan, best) * settings.reload_seconds,
     )
     if miss is None:
-        worth = _worth_moving(numbers, settings)
+        worth = _worth_moving(numbers, settings, dark[id(best)])
         if worth is not None:
             return _decision("keep", f"shift ({verdict.describe()}) and the plan still meets "
                              f"the target; {worth}", numbers, settled, observation,
@@ -330,8 +345,12 @@ def _choose(
     return _decision(action, reason, numbers, moved, observation, kind, best, verdict)
 
 
-def _worth_moving(numbers: DecisionNumbers, settings: ReplanningSpec) -> str | None:
+def _worth_moving(numbers: DecisionNumbers, settings: ReplanningSpec,
+                  dark: tuple[str, ...] = ()) -> str | None:
     """Why a cheaper plan is not worth a reshuffle; None when it is."""
+    if dark:
+        return (f"moving to it would leave {' and '.join(dark)} with no serving instance "
+                f"while its replacement loads weights")
     if numbers.gpu_gain <= 0:
         return (f"no cheaper plan meets the target (the best takes {numbers.new_gpus} GPUs "
                 f"against {numbers.current_gpus})")

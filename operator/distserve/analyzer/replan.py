@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from distserve.analyzer.observation import Observation
-from distserve.analyzer.scaling import copy_unit, place_copies
+from distserve.analyzer.scaling import copy_unit, dark_phases, place_copies, placed_beside
 from distserve.catalog import get_model
 from distserve.latency import Correction
 from distserve.plan import Plan
@@ -152,7 +152,8 @@ class SearchEvaluator:
         return math.exp((low + high) / 2)
 
     def search(
-        self, observation: Observation, rate_rps: float, correction: Correction
+        self, observation: Observation, rate_rps: float, correction: Correction,
+        beside: Plan | None = None,
     ) -> Plan | None:
         """The fewest-GPU plan the search finds for the observed workload that is predicted
         to meet the target at rate_rps, else the one predicted to come closest (where the
@@ -164,7 +165,9 @@ class SearchEvaluator:
         to fewer nodes finds smaller units. The search sizes copies on trials of a minute
         of arrivals, where a plan near its knee has not yet grown the queue it grows over
         the minutes a decision holds it; so each plan is judged as `predict` judges the
-        current one, and the cheapest that meets the target wins.
+        current one, and the cheapest that meets the target wins. With `beside` (the plan
+        that serves now), the plan is placed where that one leaves GPUs free
+        (`scaling.placed_beside`).
         """
         workload = self.workload(observation)
         for step in range(MAX_STEPS_DOWN + 1):
@@ -178,8 +181,12 @@ class SearchEvaluator:
                       for plan in plans]
             meeting = [plan for plan, attainment in judged if attainment >= self.attainment_target]
             if meeting:
-                return min(meeting, key=lambda plan: (plan.num_gpus, -plan.goodput_rps))
-            return max(judged, key=lambda judged_plan: judged_plan[1])[0]
+                best = min(meeting, key=lambda plan: (plan.num_gpus, -plan.goodput_rps))
+            else:
+                best = max(judged, key=lambda judged_plan: judged_plan[1])[0]
+            if beside is None:
+                return best
+            return placed_beside(beside, best, self.node_names, self.gpus_per_node)
         return None
 
     def _spans(self) -> list[int]:
@@ -222,6 +229,11 @@ class SearchEvaluator:
                 return best
             copies = max(copies + 1, math.ceil(copies * GROWTH_FACTOR))
         return best
+
+    def dark_phases(self, current: Plan, new: Plan) -> tuple[str, ...]:
+        """The phases the reshuffle from current to new leaves without a serving instance
+        for a weight loading (`scaling.dark_phases`, on this cluster's nodes)."""
+        return dark_phases(current, new, self.node_names, self.gpus_per_node)
 
     def free_gpus(self, plan: Plan) -> int | None:
         """GPUs of the budget (or the cluster, when smaller) that the plan leaves free."""

@@ -5,14 +5,27 @@ size is the number of copies of the smallest unit with that ratio. Replica-only
 autoscaling changes the size; a replan may also change the ratio or the parallelism.
 `change_kind` names which, and `started_gpus` counts the GPUs whose instances must
 load weights (and serve nothing meanwhile) to get from one plan to the other.
+`placed_beside` puts a new plan's instances on the nodes the current plan leaves free,
+so that the reshuffle starts them beside the instances that serve instead of draining
+those first; `dark_phases` says which phases the reshuffle (`k8s.reshuffling`, the
+operator's own step planner) would leave with no instance serving while a replacement
+loads its weights.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import replace
 from typing import Literal
 
+from distserve.k8s.reshuffling import (
+    ROLES,
+    Instance,
+    ReshuffleError,
+    plan_reshuffle,
+    serving_counts,
+)
 from distserve.plan import PhaseConfig, Plan
 from distserve.search.candidates import Config
 from distserve.search.placement import place_instances, place_units
@@ -46,6 +59,84 @@ def place_copies(
     else:
         segments = place_instances(node_names, gpus_per_node, prefill, decode)
     return replace(plan, prefill=prefill, decode=decode, segments=segments, baselines={})
+
+
+def placed_beside(current: Plan, new: Plan, node_names: list[str], gpus_per_node: int) -> Plan:
+    """`new` with its nodes renamed so that its instances sit where `current` leaves GPUs
+    free: the node new fills most goes to the node current leaves freest, and so on (the
+    nodes are alike, so its predicted figures do not change), and on each node its GPU
+    ids are the ones current leaves free. Unchanged when the two share an instance in
+    place (the reshuffle keeps those), or when renaming frees no more room for new's
+    instances than new's own nodes have."""
+    def keys(plan: Plan) -> set[tuple]:
+        return {instance.key for instance in plan_instances(plan, "")}
+
+    if keys(current) & keys(new):
+        return new
+    taken: Counter = Counter()
+    taken_ids: dict[str, set[int]] = {}
+    for seg in current.segments:
+        taken[seg.node] += len(seg.gpu_ids)
+        taken_ids.setdefault(seg.node, set()).update(seg.gpu_ids)
+    wanted: Counter = Counter()
+    for seg in new.segments:
+        wanted[seg.node] += len(seg.gpu_ids)
+    order = {node: k for k, node in enumerate(node_names)}
+    sources = sorted(wanted, key=lambda n: (-wanted[n], order.get(n, len(order))))
+    targets = sorted(node_names, key=lambda n: (taken[n], order[n]))[: len(sources)]
+    if len(targets) < len(sources):
+        return new
+
+    def room(mapping: dict[str, str]) -> int:
+        return sum(min(wanted[n], gpus_per_node - taken[mapping[n]]) for n in sources)
+
+    mapping = dict(zip(sources, targets, strict=True))
+    if room(mapping) <= room({n: n for n in sources}):
+        return new
+    free_ids = {t: iter(sorted(set(range(gpus_per_node)) - taken_ids.get(t, set()))) for t in targets}
+    segments = []
+    for seg in new.segments:
+        node = mapping[seg.node]
+        ids = tuple(next(free_ids[node], None) for _ in seg.gpu_ids)
+        segments.append(replace(seg, node=node, gpu_ids=seg.gpu_ids if None in ids else ids))
+    return replace(new, segments=tuple(segments))
+
+
+def plan_instances(plan: Plan, revision: str) -> list[Instance]:
+    """The plan's instances as the reshuffle compares them (role, parallelism, GPUs per stage)."""
+    stages: dict[tuple[str, int], list] = {}
+    for seg in plan.segments:
+        stages.setdefault((seg.role, seg.instance), []).append(seg)
+    found = []
+    for (role, index), segs in sorted(stages.items()):
+        segs.sort(key=lambda seg: seg.stage)
+        found.append(Instance(f"{role}-{index}-{revision}", revision, role, index,
+                              len(segs[0].gpu_ids), len(segs),
+                              tuple((seg.node, tuple(seg.gpu_ids)) for seg in segs), "engine"))
+    return found
+
+
+def free_beside(plan: Plan, node_names: list[str], gpus_per_node: int) -> dict[str, int]:
+    """GPUs each node has free with the plan's instances in place."""
+    taken: Counter = Counter()
+    for seg in plan.segments:
+        taken[seg.node] += len(seg.gpu_ids)
+    return {node: gpus_per_node - taken[node] for node in node_names}
+
+
+def dark_phases(current: Plan, new: Plan, node_names: list[str], gpus_per_node: int) -> tuple[str, ...]:
+    """The phases the reshuffle from current to new leaves with no instance serving for a
+    weight loading (it drains a phase's last instance to make room for its replacement);
+    both phases when no step order reaches new at all."""
+    old = plan_instances(current, "old")
+    try:
+        steps = plan_reshuffle(old, plan_instances(new, "new"),
+                               free_beside(current, node_names, gpus_per_node)).steps
+    except ReshuffleError:
+        return ROLES
+    dark = {role for step, counts in zip(steps, serving_counts(old, steps), strict=True)
+            if step.action == "drain" for role in ROLES if counts[role] == 0}
+    return tuple(role for role in ROLES if role in dark)
 
 
 def change_kind(current: Plan, new: Plan) -> ChangeKind | None:

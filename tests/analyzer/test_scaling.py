@@ -1,0 +1,59 @@
+"""A new plan placed beside the one that serves: the reshuffle starts it on free GPUs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from decision_factories import make_plan
+
+from distserve.analyzer.scaling import dark_phases, free_beside, placed_beside, plan_instances
+from distserve.k8s.reshuffling import plan_reshuffle
+from distserve.plan import Plan
+from distserve.search.candidates import Config
+from distserve.search.placement import pair_links, place_units
+from distserve.search.trials import Unit
+
+NODES = [f"node-{i}" for i in range(4)]
+
+
+def placed(prefill: tuple[int, int], decode: tuple[int, int], copies: int = 1) -> Plan:
+    """Copies of one prefill + one decode instance, each copy's pair on one node (low affinity)."""
+    unit = Unit(Config(*prefill), Config(*decode), 1, 1, 1.0)
+    return replace(make_plan((prefill, decode, 1, 1), copies),
+                   segments=place_units(NODES, 8, unit, 1, copies))
+
+
+def steps(old: Plan, new: Plan) -> list[str]:
+    reshuffle = plan_reshuffle(plan_instances(old, "a"), plan_instances(new, "b"),
+                               free_beside(old, NODES, 8))
+    return [s.action for s in reshuffle.steps]
+
+
+def test_a_new_shape_starts_on_free_nodes_instead_of_draining_the_instances_that_serve():
+    current = placed((2, 2), (3, 1))  # 7 GPUs of node-0
+    new = placed((2, 1), (2, 1))  # the search places it on node-0 too
+    assert {s.node for s in new.segments} == {"node-0"}
+    # as placed, a prefill instance must drain first: for a weight loading no prefill serves
+    assert steps(current, new)[0] == "drain"
+    assert dark_phases(current, new, NODES, 8) == ("prefill",)
+    beside = placed_beside(current, new, NODES, 8)
+    assert {s.node for s in beside.segments} == {"node-1"}
+    assert steps(current, beside) == ["create", "create", "drain", "delete", "drain", "delete"]
+    assert dark_phases(current, beside, NODES, 8) == ()
+    # the same shape on alike nodes: the same links, so the same predicted figures
+    assert pair_links(beside.segments, 2.0, 1.0) == pair_links(new.segments, 2.0, 1.0)
+    assert (beside.prefill, beside.decode) == (new.prefill, new.decode)
+
+
+def test_a_plan_sharing_instances_or_gaining_no_room_is_left_as_placed():
+    current = placed((2, 2), (3, 1), copies=4)  # 7 GPUs on every node, one free each
+    new = placed((1, 1), (1, 1))
+    assert placed_beside(current, new, NODES, 8) == new  # no node has more room than another
+    current = placed((2, 1), (2, 1), copies=2)
+    grown = placed((2, 1), (2, 1), copies=3)  # the two copies that serve stay where they are
+    assert placed_beside(current, grown, NODES, 8) == grown
+    assert steps(current, grown) == ["create", "create"]
+    assert dark_phases(current, grown, NODES, 8) == ()
+    # a plan no step order reaches (a node the cluster lacks): both phases dark
+    elsewhere = replace(grown, segments=tuple(replace(s, node="node-9") for s in grown.segments))
+    assert dark_phases(current, elsewhere, NODES, 8) == ("prefill", "decode")
