@@ -79,8 +79,8 @@ class Strategy:
     reshuffles: int = 0
     state: DecisionState = field(default_factory=DecisionState)
     last_move_s: float = -1e18
-    moving: tuple[Piece, ...] = ()  # what serves while a move runs, from each piece's start
-    moved_s: float = 0.0  # when the move ends (then the plan serves)
+    # what serves since the last move, from each piece's start (the last: the plan, on)
+    pieces: tuple[Piece, ...] = ()
     ttft_s: np.ndarray | None = None  # per request of the day, NaN until served
     tpot_s: np.ndarray | None = None
 
@@ -155,9 +155,7 @@ def move(strategies, traffic: Traffic, now_s: float, settings, evaluator, max_le
                 sized = f" [sized {n.sized_rate_rps:.2f} req/s]" if n.sized_rate_rps else ""
                 print(f"    (c) {decision.action} {decision.kind or ''}: {decision.reason}{sized}")
         if new is not None:
-            s.moving = reshuffle_pieces(s.plan, new, now_s, settings.reload_seconds)
-            s.moved_s = s.moving[-1].from_s if s.moving else now_s
-            s.moving = s.moving[:-1]  # the last piece is the new plan itself
+            s.pieces = reshuffle_pieces(s.plan, new, now_s, settings.reload_seconds)
             s.plan, s.reshuffles, s.last_move_s = new, s.reshuffles + 1, now_s
 
 
@@ -188,8 +186,7 @@ def replica_only(s: Strategy, observation, now_s: float, settings, evaluator) ->
 
 def serve(s: Strategy, traffic: Traffic, start_s, end_s, truth) -> None:
     """Simulate the interval's requests on what served them; record attainment and GPUs."""
-    pieces = [p for p in s.moving if p.from_s < s.moved_s]
-    pieces.append(Piece(s.moved_s, plan_instances(s.plan, "now"), s.plan.num_gpus))
+    pieces = s.pieces or (Piece(start_s, tuple(plan_instances(s.plan, "now")), s.plan.num_gpus),)
     gpus_s = 0.0
     for k, piece in enumerate(pieces):
         until_s = pieces[k + 1].from_s if k + 1 < len(pieces) else math.inf
@@ -211,8 +208,8 @@ def gpus_of(instance: Instance) -> int:
 
 
 def reshuffle_pieces(old: Plan, new: Plan, now_s: float, reload_s: float) -> tuple[Piece, ...]:
-    """What serves from now until the move ends, piece by piece (the last piece: the new
-    plan, from when the move ends); see the module docstring."""
+    """What serves from now on, piece by piece (the last: the new plan, from when the
+    move ends); see the module docstring."""
     before, after = plan_instances(old, "old"), plan_instances(new, "new")
     free = free_beside(old, [f"node-{i}" for i in range(NODES)], GPUS_PER_NODE)
     steps = plan_reshuffle(before, after, free).steps
@@ -238,7 +235,8 @@ def reshuffle_pieces(old: Plan, new: Plan, now_s: float, reload_s: float) -> tup
         gpus = sum(change for t, change in held if t <= moment)
         if not pieces or (serving, gpus) != (pieces[-1].instances, pieces[-1].gpus):
             pieces.append(Piece(moment, serving, gpus))
-    return tuple(pieces)
+    # once the move ends, the new plan serves in its own instance order
+    return (*pieces[:-1], replace(pieces[-1], instances=tuple(after)))
 
 
 def simulate(

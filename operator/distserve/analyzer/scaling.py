@@ -73,22 +73,21 @@ def placed_beside(current: Plan, new: Plan, node_names: list[str], gpus_per_node
 
     if keys(current) & keys(new):
         return new
-    taken: Counter = Counter()
+    free = free_beside(current, node_names, gpus_per_node)
     taken_ids: dict[str, set[int]] = {}
     for seg in current.segments:
-        taken[seg.node] += len(seg.gpu_ids)
         taken_ids.setdefault(seg.node, set()).update(seg.gpu_ids)
     wanted: Counter = Counter()
     for seg in new.segments:
         wanted[seg.node] += len(seg.gpu_ids)
     order = {node: k for k, node in enumerate(node_names)}
     sources = sorted(wanted, key=lambda n: (-wanted[n], order.get(n, len(order))))
-    targets = sorted(node_names, key=lambda n: (taken[n], order[n]))[: len(sources)]
+    targets = sorted(node_names, key=lambda n: (-free[n], order[n]))[: len(sources)]
     if len(targets) < len(sources):
         return new
 
     def room(mapping: dict[str, str]) -> int:
-        return sum(min(wanted[n], gpus_per_node - taken[mapping[n]]) for n in sources)
+        return sum(min(wanted[n], free.get(mapping[n], gpus_per_node)) for n in sources)
 
     mapping = dict(zip(sources, targets, strict=True))
     if room(mapping) <= room({n: n for n in sources}):
@@ -104,15 +103,13 @@ def placed_beside(current: Plan, new: Plan, node_names: list[str], gpus_per_node
 
 def plan_instances(plan: Plan, revision: str) -> list[Instance]:
     """The plan's instances as the reshuffle compares them (role, parallelism, GPUs per stage)."""
-    stages: dict[tuple[str, int], list] = {}
-    for seg in plan.segments:
-        stages.setdefault((seg.role, seg.instance), []).append(seg)
     found = []
-    for (role, index), segs in sorted(stages.items()):
-        segs.sort(key=lambda seg: seg.stage)
-        found.append(Instance(f"{role}-{index}-{revision}", revision, role, index,
-                              len(segs[0].gpu_ids), len(segs),
-                              tuple((seg.node, tuple(seg.gpu_ids)) for seg in segs), "engine"))
+    for role in ROLES:
+        for index in range(plan.num_instances(role)):
+            phase = plan.phase_of(role, index)
+            stages = tuple((s.node, tuple(s.gpu_ids)) for s in plan.segments_of(role, index))
+            found.append(Instance(f"{role}-{index}-{revision}", revision, role, index,
+                                  phase.tp, phase.pp, stages, "engine"))
     return found
 
 
