@@ -4,7 +4,8 @@ OPT-66B on 4 nodes x 8 A100-80GB (the paper's setting, low node affinity), one S
 the whole day (the chatbot's: TTFT 2.5 s, TPOT 0.15 s, 90%). The traffic
 (`replan_traffic.py`) swings 3x in rate, shifts code -> summarization and chatbot ->
 summarization, and bursts once. Every interval each strategy looks at the last window
-(histogram buckets -> fitted lengths, as the analyzer sees Prometheus) and may move:
+(histogram buckets -> fitted lengths, as the analyzer sees Prometheus) and may move,
+unless its last move still runs (the operator judges nothing while a reshuffle runs):
 (a) static: the plan for the morning's code traffic sized for the day's peak, never moved;
 (b) replica-only (the peers' method): the same parallelism and prefill:decode ratio,
     copies sized for the observed rate on the observed workload;
@@ -139,7 +140,9 @@ def move(strategies, traffic: Traffic, now_s: float, settings, evaluator, max_le
     slo = SLO(spec.slo.ttft_seconds, spec.slo.tpot_seconds, spec.slo.attainment, spec.slo.rule)
     observation = observe(traffic, now_s, settings.window_seconds, max_len, None, slo)
     for s in strategies:
-        if s.name == "static":
+        # NOTE: as the operator does, no decision while a move runs (its new instances
+        # are not all serving yet)
+        if s.name == "static" or (s.pieces and s.pieces[-1].from_s > now_s):
             continue
         seen_obs = observe_latencies(observation, seen[s.name], slo)
         seen_obs = replace(seen_obs, recent=observe_latencies(
@@ -152,10 +155,16 @@ def move(strategies, traffic: Traffic, now_s: float, settings, evaluator, max_le
             new = decision.plan if decision.action == "replan" else None
             if decision.action != "keep" or decision.kind or verbose:
                 n = decision.numbers
-                sized = f" [sized {n.sized_rate_rps:.2f} req/s]" if n.sized_rate_rps else ""
+                sized = (f" [sized {n.sized_rate_rps:.2f} req/s; latency x{n.prefill_factor:.2f}"
+                         f" prefill, x{n.decode_factor:.2f} decode]" if n.sized_rate_rps else "")
                 print(f"    (c) {decision.action} {decision.kind or ''}: {decision.reason}{sized}")
         if new is not None:
             s.pieces = reshuffle_pieces(s.plan, new, now_s, settings.reload_seconds)
+            if verbose:
+                tag = "c" if s.name == "replanning" else "b"
+                print(f"    ({tag}) move: " + ", ".join(
+                    f"+{p.from_s - now_s:.0f} s {_roles(p.instances)} {p.gpus} GPUs"
+                    for p in s.pieces))
             s.plan, s.reshuffles, s.last_move_s = new, s.reshuffles + 1, now_s
 
 
@@ -201,6 +210,12 @@ def serve(s: Strategy, traffic: Traffic, start_s, end_s, truth) -> None:
         ok = (s.ttft_s[index] <= slo.ttft_s) & (s.tpot_s[index] <= slo.tpot_s)
     s.attainment.append(float(ok.mean()) if len(ok) else 1.0)
     s.gpus.append(gpus_s / (end_s - start_s))
+
+
+def _roles(instances) -> str:
+    """How many prefill and decode instances serve, as `2P+1D`."""
+    roles = [i.role for i in instances]
+    return f"{roles.count('prefill')}P+{roles.count('decode')}D"
 
 
 def gpus_of(instance: Instance) -> int:

@@ -76,11 +76,13 @@ class FakeEvaluator:
     attainment_target = 0.9
 
     def __init__(self, per_gpu_rps: float = 0.5, fitted: Correction | None = None,
-                 free: int | None = None, dark: tuple[str, ...] = ()) -> None:
+                 free: int | None = None, dark: tuple[str, ...] = (),
+                 loadings: int = 1) -> None:
         self.per_gpu_rps = per_gpu_rps
         self.fitted = fitted
         self.free = free  # GPUs a plan leaves free (None: unknown)
         self.dark = dark  # phases a move to another shape leaves without a serving instance
+        self.loadings = loadings  # weight loadings in a row a move to another shape runs
         self.searches = 0
 
     def best_shape(self, observation: Observation):
@@ -117,3 +119,6 @@ class FakeEvaluator:
 
     def free_gpus(self, plan) -> int | None:
         return self.free
+
+    def reshuffle_loadings(self, current, new) -> int:
+        return self.loadings if change_kind(current, new) != "replicas" else 1

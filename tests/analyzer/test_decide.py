@@ -192,6 +192,28 @@ def test_a_window_holding_a_reshuffle_is_judged_on_its_last_third_after_the_load
     assert "no shift" in decision.reason  # no part of the window saw the plan alone
 
 
+def test_a_move_of_loadings_in_a_row_is_judged_only_once_its_last_instance_serves():
+    # on a full cluster the reshuffle drains before each start: three loadings in a row
+    evaluator = FakeEvaluator(loadings=3)
+    windows = [make_observation(900, 4.0, seed=1),
+               make_observation(1200, 4.0, "summarization", seed=2, attainment=0.3)]
+    decisions = run(windows, make_plan(copies=2), make_settings(), evaluator)
+    moved = decisions[-1]
+    assert moved.action == "replan" and moved.kind == "parallelism"
+    assert moved.numbers.move_s == 3 * 180
+    assert "3 weight loadings in a row, 540 s" in moved.reason
+    assert moved.state.reshuffle_end_s == 1200 + 540
+    # the last third [1700, 2000] still holds the move (to 1740): nothing measured the plan
+    window = make_observation(2000, 4.0, "summarization", seed=3, attainment=0.2)
+    seen = replace(window, recent=make_observation(2000, 4.0, "summarization", seed=4,
+                                                   window_s=300.0, attainment=0.2))
+    plan, settings = moved.plan, make_settings(cooldownSeconds=0)
+    assert "observed" not in decide(seen, plan, settings, moved.state, evaluator).reason
+    # a move of one loading (ended at 1380) is judged on that same last third
+    one = replace(moved.state, reshuffle_end_s=None)
+    assert "observed attainment 20.0% < 90%" in decide(seen, plan, settings, one, evaluator).reason
+
+
 def test_a_predicted_miss_the_observation_contradicts_does_not_move():
     # the fake model has 16 GPUs serving 8 req/s, so it predicts a miss at 1.2 x 8 and
     # at 8 req/s of long prompts alike; the deployment was seen to meet the target
@@ -338,7 +360,22 @@ def test_a_move_that_leaves_a_phase_without_a_serving_instance_goes_last():
     kept = decide(windows[1], make_plan(LONG_SHAPE), settings, seen, dark)  # 24 GPUs meet 2 req/s
     assert kept.action == "keep"
     assert "would leave prefill with no serving instance while its replacement loads" in kept.reason
-    # a miss still moves to the plan that meets the target when nothing else does
+    # a miss seen now still moves to the plan that meets the target when nothing else does
     missed = replace(windows[1], attainment=0.5)
     moved = decide(missed, make_plan(LONG_SHAPE), settings, seen, dark)
     assert moved.action == "replan" and shape_of(moved.plan) == SHORT_SHAPE
+    # a miss only predicted (24 GPUs of the long shape hold 4 req/s of short prompts:
+    # seen to meet the target at 3.8, predicted to miss at 1.2 x 3.8) never takes the
+    # dark move: more copies of the shape that serves, though they cost more GPUs
+    predicted = make_observation(1200, 3.8, seed=2, attainment=0.95)
+    lit = decide(predicted, make_plan(LONG_SHAPE), settings, seen, dark)
+    assert lit.action == "replan" and "predicted to reach" in lit.reason
+    assert lit.kind == "replicas" and lit.numbers.new_gpus > 24
+    assert shape_of(decide(predicted, make_plan(LONG_SHAPE), settings, seen,
+                           FakeEvaluator()).plan) == SHORT_SHAPE  # none dark: the cheapest
+    # and with no room for more copies it waits, as long as the plan is seen to meet it
+    no_room = FakeEvaluator(dark=("prefill",))
+    no_room.scale = lambda plan, observation, rate_rps, correction: None
+    waits = decide(predicted, make_plan(LONG_SHAPE), settings, seen, no_room)
+    assert waits.action == "keep" and "predicted to reach" in waits.reason
+    assert "would leave prefill with no serving instance while it loads" in waits.reason

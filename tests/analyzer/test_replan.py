@@ -3,13 +3,19 @@ resampled workload, replica scaling, and a search whose shape follows the length
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
+from analyzer_factories import make_histogram
 from decision_factories import SHORT_SHAPE, make_observation, make_plan
 
-from distserve.analyzer.replan import Prediction, SearchEvaluator, observed_workload
+from distserve.analyzer.fit import fit_lengths
+from distserve.analyzer.replan import NUM_SAMPLES, Prediction, SearchEvaluator, observed_workload
 from distserve.analyzer.scaling import change_kind, copy_unit, place_copies, started_gpus
 from distserve.latency import Correction, corrected, get_latency_model
 from distserve.spec import parse_spec
+from distserve.workload import load_lengths
 
 OPT_66B = {
     "model": {"name": "facebook/opt-66b"},
@@ -62,6 +68,27 @@ def test_the_observed_workload_stays_inside_the_context():
     assert lengths.mean_prompt_tokens == pytest.approx(window.prompt.mean_tokens, rel=0.1)
 
 
+@pytest.mark.parametrize("dataset", ["summarization", "chatbot", "code"])
+def test_the_resampled_pairs_fit_the_context_and_keep_the_output_lengths(dataset):
+    # summarization prompts fill the context (prompt + output ~1970 of 2048 tokens):
+    # drawn independently, a long output beside a long prompt was cut, and the sample
+    # lost a fifth of its decode tokens
+    sample = load_lengths(dataset)
+    window = replace(make_observation(900, 3.0, dataset),
+                     prompt=fit_lengths(*make_histogram(sample.prompt_tokens)),
+                     output=fit_lengths(*make_histogram(sample.output_tokens)))
+    lengths = observed_workload(window, max_context_tokens=2048).lengths
+    assert (lengths.prompt_tokens + lengths.output_tokens).max() <= 2048
+    assert lengths.output_tokens.mean() == pytest.approx(sample.output_tokens.mean(), rel=0.06)
+    assert lengths.prompt_tokens.mean() == pytest.approx(sample.prompt_tokens.mean(), rel=0.05)
+    # the pairs are exchanged, not the lengths: the outputs drawn are the outputs kept
+    rng = np.random.default_rng(0)
+    window.prompt.sample(NUM_SAMPLES, rng, 2047)
+    drawn = window.output.sample(NUM_SAMPLES, rng, 2047)
+    cut = int((np.sort(drawn) != np.sort(lengths.output_tokens)).sum())
+    assert cut <= 0.01 * NUM_SAMPLES
+
+
 def test_scaling_keeps_the_shape_and_adds_copies_for_the_rate():
     evaluator = make_evaluator()
     plan = placed_plan(evaluator)
@@ -93,25 +120,36 @@ def test_the_search_on_summarization_traffic_picks_another_shape_than_on_code():
 class JudgedEvaluator(SearchEvaluator):
     """The search's plans per span and their predicted attainment, given (no simulation)."""
 
-    def __init__(self, found: dict[int, tuple[int, float]]) -> None:
+    def __init__(self, found: dict[int, tuple[int, float]],
+                 grown: tuple[int, float] | None = None) -> None:
         super().__init__(parse_spec({**OPT_66B, "planner": {"maxNodesPerInstance": 4}}))
         self.found = found  # span -> (copies of the short shape, predicted attainment)
+        self.grown = grown  # (copies, attainment) of the closest plan scaled up; None: no room
 
     def _planned(self, span, overrides):
         copies, _ = self.found[span]
         return placed_plan(self, copies=copies)
 
     def predict(self, plan, observation, rate_rps, correction):
-        attainment = next(a for c, a in self.found.values() if c * 8 == plan.num_gpus)
-        return Prediction(rate_rps, attainment, 1.0, 0.05)
+        judged = {copies * 8: attainment for copies, attainment in self.found.values()}
+        if self.grown is not None:
+            judged.setdefault(self.grown[0] * 8, self.grown[1])
+        return Prediction(rate_rps, judged[plan.num_gpus], 1.0, 0.05)
+
+    def scale(self, plan, observation, rate_rps, correction):
+        return None if self.grown is None else placed_plan(self, copies=self.grown[0])
 
 
-@pytest.mark.parametrize(("found", "gpus"), [
-    ({1: (1, 0.40), 2: (2, 0.95), 4: (3, 0.99)}, 16),  # the cheapest is predicted to miss
-    ({1: (1, 0.20), 2: (2, 0.60), 4: (3, 0.50)}, 16),  # none meets: the closest
-    ({1: (1, 0.93), 2: (2, 0.95), 4: (3, 0.99)}, 8),
+@pytest.mark.parametrize(("found", "grown", "gpus"), [
+    ({1: (1, 0.40), 2: (2, 0.95), 4: (3, 0.99)}, None, 16),  # the cheapest is predicted to miss
+    ({1: (1, 0.20), 2: (2, 0.60), 4: (3, 0.50)}, None, 16),  # none meets: the closest
+    ({1: (1, 0.93), 2: (2, 0.95), 4: (3, 0.99)}, None, 8),
+    # none meets, and more copies of the closest (the search sized them on a minute of
+    # arrivals) meet the target, or come no closer
+    ({1: (1, 0.20), 2: (2, 0.60), 4: (3, 0.50)}, (4, 0.97), 32),
+    ({1: (1, 0.20), 2: (2, 0.60), 4: (3, 0.50)}, (4, 0.55), 16),
 ])
-def test_the_search_returns_the_cheapest_plan_predicted_to_meet_the_target(found, gpus):
-    evaluator = JudgedEvaluator(found)
+def test_the_search_returns_the_cheapest_plan_predicted_to_meet_the_target(found, grown, gpus):
+    evaluator = JudgedEvaluator(found, grown)
     plan = evaluator.search(make_observation(900, 3.0), 3.0, Correction())
     assert plan.num_gpus == gpus

@@ -6,7 +6,13 @@ from dataclasses import replace
 
 from decision_factories import make_plan
 
-from distserve.analyzer.scaling import dark_phases, free_beside, placed_beside, plan_instances
+from distserve.analyzer.scaling import (
+    dark_phases,
+    free_beside,
+    placed_beside,
+    plan_instances,
+    reshuffle_loadings,
+)
 from distserve.k8s.reshuffling import plan_reshuffle
 from distserve.plan import Plan
 from distserve.search.candidates import Config
@@ -57,3 +63,22 @@ def test_a_plan_sharing_instances_or_gaining_no_room_is_left_as_placed():
     # a plan no step order reaches (a node the cluster lacks): both phases dark
     elsewhere = replace(grown, segments=tuple(replace(s, node="node-9") for s in grown.segments))
     assert dark_phases(current, elsewhere, NODES, 8) == ("prefill", "decode")
+
+
+def test_a_move_on_a_full_cluster_counts_its_loadings_in_a_row():
+    current = placed((2, 2), (3, 1))  # 7 GPUs of node-0
+    beside = placed_beside(current, placed((2, 1), (2, 1)), NODES, 8)
+    assert reshuffle_loadings(current, beside, NODES, 8) == 1  # both start on node-1 at once
+    assert reshuffle_loadings(current, current, NODES, 8) == 0  # nothing starts
+    # every node full (7 of 8 GPUs): each new pair waits for an old one to drain, and a
+    # drain waits until the instances started before it serve
+    full = placed((2, 2), (3, 1), copies=4)
+    other = placed((3, 1), (3, 1), copies=4)
+    actions = steps(full, other)
+    assert actions[0] == "drain"
+    rounds = sum(1 for k, action in enumerate(actions)
+                 if action == "create" and (k == 0 or actions[k - 1] != "create"))
+    assert reshuffle_loadings(full, other, NODES, 8) == rounds > 1
+    # a plan no step order reaches: one loading per new instance
+    elsewhere = replace(beside, segments=tuple(replace(s, node="node-9") for s in beside.segments))
+    assert reshuffle_loadings(current, elsewhere, NODES, 8) == 2

@@ -16,15 +16,19 @@ once per interval and pass back the `DecisionState` it returns. In order:
    last checked for (a predicted miss counts only when the model also reproduces the
    observed attainment);
 4. hysteresis, as autoscalers scale up at once and down slowly: a shift must persist
-   for `holdSeconds` and waits out `cooldownSeconds` after the last reshuffle; a miss
-   waits for neither (requests are failing now); a window that holds a reshuffle is
-   judged on its last third's attainment when that came after the weight loading, else
-   on none (the loading, not the plan, is what it measured);
+   for `holdSeconds` and waits out `cooldownSeconds` after the last reshuffle began; a
+   miss waits for neither (requests are failing now); a window that holds a reshuffle
+   is judged on its last third's attainment when that came after the move ended, else
+   on none (the move, not the plan, is what it measured). A move ends when its new
+   instances all serve: on a full cluster the reshuffle drains an old instance before
+   each new one starts, so the loadings run one after another (`reshuffle_loadings`);
 5. two candidates, the current shape with more or fewer copies (`scale`) and the
    search's plan (`search`), are simulated on the same workload; the cheapest that
    meets the target wins, first among those whose reshuffle keeps an instance of each
    phase serving (`dark_phases`: the operator's reshuffle may have to drain a phase's
-   last instance to make room for its replacement). A miss moves to it; otherwise it
+   last instance to make room for its replacement; only a miss seen now may take such
+   a move), and among equal GPUs the move with the fewest loadings in a row. A miss
+   moves to it; otherwise it
    must keep both phases serving, save `minGain` of the GPUs, and more GPU-seconds over
    the cooldown than its weight loading costs. A
    shortfall only at the sized rate (the plan is seen or predicted to meet the target
@@ -88,6 +92,10 @@ class PlanEvaluator(Protocol):
         """GPUs of the budget or the cluster that the plan leaves free; None: unknown."""
         ...
 
+    def reshuffle_loadings(self, current: Plan, new: Plan) -> int:
+        """How many weight loadings the reshuffle from current to new runs one after another."""
+        ...
+
 
 @dataclass(frozen=True)
 class DecisionNumbers:
@@ -105,6 +113,7 @@ class DecisionNumbers:
     gpu_gain: float | None = None  # share of the current GPUs the candidate saves
     saving_gpu_s: float | None = None  # GPUs saved x the cooldown
     reshuffle_cost_gpu_s: float | None = None  # GPUs loading weights x reload seconds
+    move_s: float | None = None  # how long the reshuffle runs: loadings in a row x reload seconds
     held_s: float | None = None  # how long the trigger has persisted
     prefill_factor: float = 1.0
     decode_factor: float = 1.0
@@ -131,6 +140,7 @@ class DecisionState:
     reference: Observation | None = None  # the window the plan was last made or checked for
     trigger_since_s: float | None = None  # when the current trigger was first seen
     last_reshuffle_s: float | None = None
+    reshuffle_end_s: float | None = None  # when the last reshuffle's new instances all serve
     correction: Correction = Correction()
     history: tuple[HistoryEntry, ...] = ()
 
@@ -140,6 +150,7 @@ class DecisionState:
             "reference": asdict(self.reference) if self.reference is not None else None,
             "triggerSinceSeconds": self.trigger_since_s,
             "lastReshuffleSeconds": self.last_reshuffle_s,
+            "reshuffleEndSeconds": self.reshuffle_end_s,
             "correction": {"prefillFactor": self.correction.prefill_factor,
                            "decodeFactor": self.correction.decode_factor},
             "history": [asdict(entry) for entry in self.history],
@@ -155,6 +166,7 @@ class DecisionState:
             reference=_observation_from_dict(data.get("reference")),
             trigger_since_s=data.get("triggerSinceSeconds"),
             last_reshuffle_s=data.get("lastReshuffleSeconds"),
+            reshuffle_end_s=data.get("reshuffleEndSeconds"),
             correction=Correction(correction.get("prefillFactor", 1.0),
                                   correction.get("decodeFactor", 1.0)),
             history=tuple(HistoryEntry(**entry) for entry in data.get("history") or ()),
@@ -254,8 +266,9 @@ def decide(
                          verdict=verdict)
     present_rps = _shortfall_only(observation, observed, miss, plan, traffic_ahead, state,
                                   evaluator)
+    failing = observed is not None and observed < evaluator.attainment_target
     return _choose(observation, ahead, plan, settings, state, evaluator, verdict, miss, numbers,
-                   present_rps)
+                   present_rps, failing)
 
 
 def _shortfall_only(
@@ -276,11 +289,12 @@ def _shortfall_only(
 def _choose(
     observation: Observation, ahead: Observation, plan: Plan, settings: ReplanningSpec,
     state: DecisionState, evaluator: PlanEvaluator, verdict: ShiftVerdict, miss: str | None,
-    numbers: DecisionNumbers, present_rps: float | None = None,
+    numbers: DecisionNumbers, present_rps: float | None = None, failing: bool = False,
 ) -> Decision:
     """Simulate the candidates on the workload ahead and move to the best, or keep (the
     trigger then resets). With `present_rps` (a shortfall only at the sized rate), only
-    candidates whose new instances start on free GPUs count."""
+    candidates whose new instances start on free GPUs count; unless the plan is seen
+    `failing` now, only candidates whose move keeps both phases serving do."""
     rate, correction, target = numbers.sized_rate_rps, state.correction, evaluator.attainment_target
     candidates = [
         (candidate, evaluator.predict(candidate, ahead, rate, correction))
@@ -302,12 +316,23 @@ def _choose(
         candidates = beside
     # NOTE: a move that leaves a phase with no serving instance while its replacement
     # loads fails every request of those minutes: a candidate whose move keeps both
-    # phases serving goes first, and only a miss may take one that does not
+    # phases serving goes first, and only a miss seen now may take one that does not (a
+    # predicted miss would be made certain by the move meant to prevent it)
     dark = {id(c): evaluator.dark_phases(plan, c) for c, _ in candidates}
+    if miss and not failing:
+        lit = [(c, p) for c, p in candidates if not dark[id(c)]]
+        if candidates and not lit:
+            phases = " and ".join(sorted({r for c, _ in candidates for r in dark[id(c)]}))
+            return _decision(
+                "keep", f"{miss}, but every other plan's reshuffle would leave {phases} with "
+                f"no serving instance while it loads, and the plan is not seen to miss now",
+                numbers, settled, observation, verdict=verdict)
+        candidates = lit
+    moves = {id(c): evaluator.reshuffle_loadings(plan, c) for c, _ in candidates}
     meeting = [(c, p) for c, p in candidates if p.attainment >= target]
     if meeting:
         best, best_prediction = min(meeting, key=lambda cp: (
-            bool(dark[id(cp[0])]), cp[0].num_gpus, started_gpus(plan, cp[0])))
+            bool(dark[id(cp[0])]), cp[0].num_gpus, moves[id(cp[0])], started_gpus(plan, cp[0])))
     elif miss and candidates:
         best, best_prediction = max(candidates, key=lambda cp: (
             not dark[id(cp[0])], cp[1].attainment))
@@ -324,6 +349,7 @@ def _choose(
         gpu_gain=saved_gpus / plan.num_gpus,
         saving_gpu_s=saved_gpus * settings.cooldown_seconds,
         reshuffle_cost_gpu_s=started_gpus(plan, best) * settings.reload_seconds,
+        move_s=moves[id(best)] * settings.reload_seconds,
     )
     if miss is None:
         worth = _worth_moving(numbers, settings, dark[id(best)])
@@ -338,10 +364,15 @@ def _choose(
         why = f"{miss}; the new plan is predicted to reach {best_prediction.attainment:.1%}"
     kind = change_kind(plan, best)
     action = "recommend" if settings.advisory else "replan"
-    moved = replace(settled, last_reshuffle_s=(
-        state.last_reshuffle_s if settings.advisory else observation.end_s
-    ))
+    if settings.advisory:
+        moved = settled
+    else:
+        moved = replace(settled, last_reshuffle_s=observation.end_s,
+                        reshuffle_end_s=observation.end_s + numbers.move_s)
     reason = f"{why}. {_kind_reason(kind, verdict, plan, best)}"
+    if moves[id(best)] > 1:
+        reason += (f" The reshuffle drains before it starts: {moves[id(best)]} weight loadings "
+                   f"in a row, {numbers.move_s:.0f} s.")
     return _decision(action, reason, numbers, moved, observation, kind, best, verdict)
 
 
@@ -363,13 +394,21 @@ def _worth_moving(numbers: DecisionNumbers, settings: ReplanningSpec,
     return None
 
 
+def _reshuffle_end(state: DecisionState, settings: ReplanningSpec) -> float:
+    """When the last reshuffle's new instances all serve (a state from before the move's
+    length was kept: one weight loading after it began)."""
+    if state.reshuffle_end_s is not None:
+        return state.reshuffle_end_s
+    return state.last_reshuffle_s + settings.reload_seconds
+
+
 def _holds_reshuffle(
     state: DecisionState, observation: Observation, settings: ReplanningSpec
 ) -> bool:
-    """Whether the last reshuffle's weight loading overlaps the observation's window."""
+    """Whether the last reshuffle (until its new instances all serve) overlaps the
+    observation's window."""
     return state.last_reshuffle_s is not None and (
-        observation.end_s - observation.window_s
-        < state.last_reshuffle_s + settings.reload_seconds
+        observation.end_s - observation.window_s < _reshuffle_end(state, settings)
     )
 
 

@@ -6,7 +6,8 @@ is the latency model, per phase (`fit_correction`), and what would the search ch
 (`search`) or what would more or fewer copies of the current shape do (`scale`).
 The observed workload is the window's fitted length distributions resampled (prompt
 and output drawn independently: a histogram does not say which prompt had which
-output) with gamma arrivals at the window's burstiness.
+output; only pairs that would overflow the context are re-paired) with gamma arrivals
+at the window's burstiness.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from distserve.analyzer.observation import Observation
-from distserve.analyzer.scaling import copy_unit, dark_phases, place_copies, placed_beside
+from distserve.analyzer.scaling import (
+    copy_unit,
+    dark_phases,
+    place_copies,
+    placed_beside,
+    reshuffle_loadings,
+)
 from distserve.catalog import get_model
 from distserve.latency import Correction
 from distserve.plan import Plan
@@ -29,6 +36,7 @@ from distserve.spec import DistServeDeploymentSpec
 from distserve.workload import LengthSample, Workload
 
 NUM_SAMPLES = 4000  # lengths resampled from a window's fits
+PAIRING_ROUNDS = 8  # rounds that re-pair overflowing prompt-output pairs inside the context
 FIT_LOW, FIT_HIGH = 0.5, 2.0  # the bracket a per-phase factor is bisected in
 FIT_STEPS = 6  # bisection steps on log(factor): the bracket narrows to ~2%
 RATE_STEP_DOWN = 1.15  # a rate the cluster cannot hold is retried this much lower
@@ -61,10 +69,30 @@ def observed_workload(
     rng = np.random.default_rng(seed)
     prompts = observation.prompt.sample(num_samples, rng, max_context_tokens - 1)
     outputs = observation.output.sample(num_samples, rng, max_context_tokens - 1)
-    outputs = np.maximum(1, np.minimum(outputs, max_context_tokens - prompts))
+    outputs = _paired_inside(prompts, outputs, max_context_tokens, rng)
     cv = observation.arrival_cv or 1.0
     arrival = "poisson" if abs(cv - 1.0) < 0.05 else "gamma"
     return Workload(LengthSample("observed", prompts, outputs), arrival, cv)
+
+
+def _paired_inside(prompts: np.ndarray, outputs: np.ndarray, max_context_tokens: int,
+                   rng: np.random.Generator) -> np.ndarray:
+    """The outputs re-paired with the prompts so that each request fits the context, as
+    every served request does. Drawn independently, a long prompt meets a long output and
+    one would be cut: long-prompt traffic, whose outputs the context keeps short, would
+    lose a fifth of its decode work. So the overflowing pairs, with as many again drawn
+    from the rest, exchange outputs: the longest prompt takes the shortest output (both
+    histograms keep their counts; the pairs that fit stay independent). What no round
+    fixes is cut to the context."""
+    outputs = outputs.copy()
+    for _ in range(PAIRING_ROUNDS):
+        over = np.flatnonzero(prompts + outputs > max_context_tokens)
+        if len(over) == 0:
+            break
+        rest = np.setdiff1d(np.arange(len(prompts)), over)
+        pool = np.concatenate([over, rng.choice(rest, min(len(rest), len(over)), replace=False)])
+        outputs[pool[np.argsort(-prompts[pool], kind="stable")]] = np.sort(outputs[pool])
+    return np.maximum(1, np.minimum(outputs, max_context_tokens - prompts))
 
 
 class SearchEvaluator:
@@ -183,11 +211,26 @@ class SearchEvaluator:
             if meeting:
                 best = min(meeting, key=lambda plan: (plan.num_gpus, -plan.goodput_rps))
             else:
-                best = max(judged, key=lambda judged_plan: judged_plan[1])[0]
+                best = self._grown(max(judged, key=lambda judged_plan: judged_plan[1]),
+                                   observation, rate_rps, correction)
             if beside is None:
                 return best
             return placed_beside(beside, best, self.node_names, self.gpus_per_node)
         return None
+
+    def _grown(
+        self, judged: tuple[Plan, float], observation: Observation, rate_rps: float,
+        correction: Correction,
+    ) -> Plan:
+        """The closest plan with more copies of its shape where that meets the target
+        (or comes closer) within the budget; the plan itself otherwise."""
+        plan, attainment = judged
+        grown = self.scale(plan, observation, rate_rps, correction)
+        if grown is None or grown.num_gpus <= plan.num_gpus:
+            return plan
+        if self.predict(grown, observation, rate_rps, correction).attainment > attainment:
+            return grown
+        return plan
 
     def _spans(self) -> list[int]:
         """Most nodes per instance to search with: powers of two up to the spec's limit."""
@@ -234,6 +277,11 @@ class SearchEvaluator:
         """The phases the reshuffle from current to new leaves without a serving instance
         for a weight loading (`scaling.dark_phases`, on this cluster's nodes)."""
         return dark_phases(current, new, self.node_names, self.gpus_per_node)
+
+    def reshuffle_loadings(self, current: Plan, new: Plan) -> int:
+        """How many weight loadings the reshuffle from current to new runs one after
+        another (`scaling.reshuffle_loadings`, on this cluster's nodes)."""
+        return reshuffle_loadings(current, new, self.node_names, self.gpus_per_node)
 
     def free_gpus(self, plan: Plan) -> int | None:
         """GPUs of the budget (or the cluster, when smaller) that the plan leaves free."""

@@ -9,7 +9,7 @@ load weights (and serve nothing meanwhile) to get from one plan to the other.
 so that the reshuffle starts them beside the instances that serve instead of draining
 those first; `dark_phases` says which phases the reshuffle (`k8s.reshuffling`, the
 operator's own step planner) would leave with no instance serving while a replacement
-loads its weights.
+loads its weights, and `reshuffle_loadings` how many loadings it runs one after another.
 """
 
 from __future__ import annotations
@@ -134,6 +134,26 @@ def dark_phases(current: Plan, new: Plan, node_names: list[str], gpus_per_node: 
     dark = {role for step, counts in zip(steps, serving_counts(old, steps), strict=True)
             if step.action == "drain" for role in ROLES if counts[role] == 0}
     return tuple(role for role in ROLES if role in dark)
+
+
+def reshuffle_loadings(current: Plan, new: Plan, node_names: list[str], gpus_per_node: int) -> int:
+    """How many weight loadings the reshuffle from current to new runs one after another:
+    instances created on free GPUs load together; a drain waits until every instance
+    created before it serves, so each round of drain-then-start adds one loading (0 when
+    nothing starts; 1 when everything new fits beside the old). The move takes this many
+    times the reload time; with no step order at all, one loading per new instance."""
+    old, fresh = plan_instances(current, "old"), plan_instances(new, "new")
+    try:
+        steps = plan_reshuffle(old, fresh, free_beside(current, node_names, gpus_per_node)).steps
+    except ReshuffleError:
+        return len(fresh)
+    started, ready = 0, 0  # loadings done before the next step may start, and the last one's end
+    for step in steps:
+        if step.action == "create":
+            ready = max(ready, started + 1)
+        elif step.action == "drain":
+            started = max(started, ready)
+    return ready
 
 
 def change_kind(current: Plan, new: Plan) -> ChangeKind | None:

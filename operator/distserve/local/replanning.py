@@ -47,6 +47,8 @@ def decision_line(decision: Decision) -> str:
             parts.append(f"{label} {value:.1%}")
     if n.new_gpus is not None:
         parts.append(f"GPUs {n.current_gpus} -> {n.new_gpus}")
+    if n.move_s:
+        parts.append(f"move {n.move_s:.0f} s")
     if n.held_s is not None:
         parts.append(f"held {n.held_s:.0f} s")
     parts.append(f"correction prefill x{n.prefill_factor:.2f} decode x{n.decode_factor:.2f}")
