@@ -267,6 +267,23 @@ def test_a_cheaper_plan_moves_when_it_saves_enough():
     assert "8 GPUs instead of 32" in decision.reason
 
 
+def test_no_scale_down_while_the_rate_rises():
+    # 64 GPUs for 4 req/s that climb: 3.5 over the window's first two thirds, 5 over its
+    # last; sized for 1.2 x 7.1 req/s, 24 GPUs would do, but the climb may bring more
+    evaluator = FakeEvaluator()
+    state = DecisionState(reference=make_observation(900, 2.0, seed=1))
+    window = make_observation(1200, 4.0, seed=2)
+    recent = replace(window, window_s=300.0, num_requests=1500, arrival_rate_rps=5.0)
+    rising = decide(replace(window, recent=recent), make_plan(copies=8),
+                    make_settings(holdSeconds=0), state, evaluator)
+    assert rising.action == "keep"
+    assert "the rate is rising (forecast 7.10 req/s against 4.00 in the window)" in rising.reason
+    assert rising.numbers.new_gpus == 24
+    # the same window with no trend in it scales down
+    steady = decide(window, make_plan(copies=8), make_settings(holdSeconds=0), state, evaluator)
+    assert steady.action == "replan" and steady.numbers.new_gpus < 64
+
+
 def test_a_cheaper_plan_under_the_minimum_gain_is_kept():
     evaluator = FakeEvaluator()
     windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 2.0, seed=2)]

@@ -7,14 +7,16 @@ from dataclasses import replace
 from decision_factories import make_plan
 
 from distserve.analyzer.scaling import (
+    copy_unit,
     dark_phases,
     free_beside,
+    place_copies,
     placed_beside,
     plan_instances,
     reshuffle_loadings,
 )
 from distserve.k8s.reshuffling import plan_reshuffle
-from distserve.plan import Plan
+from distserve.plan import PhaseConfig, Plan
 from distserve.search.candidates import Config
 from distserve.search.placement import pair_links, place_units
 from distserve.search.trials import Unit
@@ -82,3 +84,16 @@ def test_a_move_on_a_full_cluster_counts_its_loadings_in_a_row():
     # a plan no step order reaches: one loading per new instance
     elsewhere = replace(beside, segments=tuple(replace(s, node="node-9") for s in beside.segments))
     assert reshuffle_loadings(current, elsewhere, NODES, 8) == 2
+
+
+def test_copies_of_a_mixed_plans_shape_are_that_shape_only():
+    # a mixed plan: copies of one pair, and a group of another shape in each phase
+    pair = Unit(Config(3, 2), Config(3, 2), 1, 1, 1.0)  # each stage on its own node
+    mixed = replace(make_plan(((3, 2), (3, 2), 1, 1)), segments=place_units(NODES, 8, pair, 2, 1),
+                    extra_prefill=(PhaseConfig(2, 1, 2),), extra_decode=(PhaseConfig(3, 1, 2),))
+    unit = copy_unit(mixed, 1.0)
+    grown = place_copies(mixed, unit, 2, NODES, 8)
+    assert not grown.is_mixed
+    assert grown.num_gpus == 24
+    # every instance it counts has its GPUs: the reshuffle can start each of them
+    assert all(i.stages for i in plan_instances(grown, "new"))

@@ -28,9 +28,9 @@ once per interval and pass back the `DecisionState` it returns. In order:
    phase serving (`dark_phases`: the operator's reshuffle may have to drain a phase's
    last instance to make room for its replacement; only a miss seen now may take such
    a move), and among equal GPUs the move with the fewest loadings in a row. A miss
-   moves to it; otherwise it
-   must keep both phases serving, save `minGain` of the GPUs, and more GPU-seconds over
-   the cooldown than its weight loading costs. A
+   moves to it; otherwise it must come while the rate is not rising significantly, keep
+   both phases serving, save `minGain` of the GPUs, and more GPU-seconds over the
+   cooldown than its weight loading costs. A
    shortfall only at the sized rate (the plan is seen or predicted to meet the target
    at the present rate) moves only to a plan whose new instances start on free GPUs:
    draining instances that serve now would cause the miss it means to prevent.
@@ -267,8 +267,9 @@ def decide(
     present_rps = _shortfall_only(observation, observed, miss, plan, traffic_ahead, state,
                                   evaluator)
     failing = observed is not None and observed < evaluator.attainment_target
+    rising = traffic_ahead.is_rate_trend and traffic_ahead.rate_rps > observation.arrival_rate_rps
     return _choose(observation, ahead, plan, settings, state, evaluator, verdict, miss, numbers,
-                   present_rps, failing)
+                   present_rps, failing, rising)
 
 
 def _shortfall_only(
@@ -290,6 +291,7 @@ def _choose(
     observation: Observation, ahead: Observation, plan: Plan, settings: ReplanningSpec,
     state: DecisionState, evaluator: PlanEvaluator, verdict: ShiftVerdict, miss: str | None,
     numbers: DecisionNumbers, present_rps: float | None = None, failing: bool = False,
+    rising: bool = False,
 ) -> Decision:
     """Simulate the candidates on the workload ahead and move to the best, or keep (the
     trigger then resets). With `present_rps` (a shortfall only at the sized rate), only
@@ -352,7 +354,7 @@ def _choose(
         move_s=moves[id(best)] * settings.reload_seconds,
     )
     if miss is None:
-        worth = _worth_moving(numbers, settings, dark[id(best)])
+        worth = _worth_moving(numbers, settings, dark[id(best)], rising)
         if worth is not None:
             return _decision("keep", f"shift ({verdict.describe()}) and the plan still meets "
                              f"the target; {worth}", numbers, settled, observation,
@@ -377,8 +379,13 @@ def _choose(
 
 
 def _worth_moving(numbers: DecisionNumbers, settings: ReplanningSpec,
-                  dark: tuple[str, ...] = ()) -> str | None:
+                  dark: tuple[str, ...] = (), rising: bool = False) -> str | None:
     """Why a cheaper plan is not worth a reshuffle; None when it is."""
+    if rising and numbers.gpu_gain > 0:
+        # NOTE: as autoscalers hold a scale-down while the load climbs: a plan sized on a
+        # rising trend's forecast has the least margin for what else the climb brings
+        return (f"the rate is rising (forecast {numbers.forecast_rate_rps:.2f} req/s against "
+                f"{numbers.observed_rate_rps:.2f} in the window): no scale-down while it does")
     if dark:
         return (f"moving to it would leave {' and '.join(dark)} with no serving instance "
                 f"while its replacement loads weights")

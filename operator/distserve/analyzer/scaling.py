@@ -51,14 +51,16 @@ def nodes_per_instance(plan: Plan) -> int:
 def place_copies(
     plan: Plan, unit: Unit, copies: int, node_names: list[str], gpus_per_node: int
 ) -> Plan:
-    """The plan with `copies` of unit placed anew (ClusterTooSmall when they do not fit)."""
+    """The plan with `copies` of unit placed anew (ClusterTooSmall when they do not fit):
+    those copies only, a mixed plan's groups of other shapes left out."""
     prefill = PhaseConfig(*unit.prefill, unit.n_prefill * copies)
     decode = PhaseConfig(*unit.decode, unit.n_decode * copies)
     if plan.algorithm == "low-affinity":
         segments = place_units(node_names, gpus_per_node, unit, nodes_per_instance(plan), copies)
     else:
         segments = place_instances(node_names, gpus_per_node, prefill, decode)
-    return replace(plan, prefill=prefill, decode=decode, segments=segments, baselines={})
+    return replace(plan, prefill=prefill, decode=decode, segments=segments, baselines={},
+                   extra_prefill=(), extra_decode=())
 
 
 def placed_beside(current: Plan, new: Plan, node_names: list[str], gpus_per_node: int) -> Plan:
