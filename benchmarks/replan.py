@@ -37,10 +37,10 @@ from replan_traffic import APPS, Seen, Traffic, make_traffic, mix_at, observe
 from distserve.analyzer.decide import DecisionState, decide
 from distserve.analyzer.observe import RECENT_SHARE
 from distserve.analyzer.replan import SearchEvaluator
-from distserve.analyzer.scaling import free_beside, plan_instances, ratio_text
+from distserve.analyzer.scaling import plan_instances, ratio_text, reshuffle_steps
 from distserve.analyzer.settings import ReplanningSpec
 from distserve.catalog import get_model
-from distserve.k8s.reshuffling import Instance, plan_reshuffle
+from distserve.k8s.reshuffling import Instance
 from distserve.latency import Correction
 from distserve.plan import Plan, SegmentPlacement
 from distserve.search import SearchOverrides, build_context, plan_deployment
@@ -225,20 +225,18 @@ def gpus_of(instance: Instance) -> int:
 def reshuffle_pieces(old: Plan, new: Plan, now_s: float, reload_s: float) -> tuple[Piece, ...]:
     """What serves from now on, piece by piece (the last: the new plan, from when the
     move ends); see the module docstring."""
-    before, after = plan_instances(old, "old"), plan_instances(new, "new")
-    free = free_beside(old, [f"node-{i}" for i in range(NODES)], GPUS_PER_NODE)
-    steps = plan_reshuffle(before, after, free).steps
-    t_s, ready_s = now_s, now_s
+    nodes = [f"node-{i}" for i in range(NODES)]
+    before, scheduled = reshuffle_steps(old, new, nodes, GPUS_PER_NODE)
+    after = plan_instances(new, "new")
     up: dict[str, float] = {}  # new instance -> when it serves
     down: dict[str, float] = {}  # old instance -> when its drain starts
     held = [(now_s, sum(gpus_of(i) for i in before))]  # (time, change of GPUs held)
-    for step in steps:
+    for step, started in scheduled:
+        t_s = now_s + started * reload_s
         if step.action == "create":
             up[step.instance.name] = t_s + reload_s
-            ready_s = max(ready_s, t_s + reload_s)
             held.append((t_s, gpus_of(step.instance)))
         elif step.action == "drain":
-            t_s = max(t_s, ready_s)
             down[step.instance.name] = t_s
         else:
             held.append((t_s, -gpus_of(step.instance)))

@@ -82,7 +82,7 @@ def _paired_inside(prompts: np.ndarray, outputs: np.ndarray, max_context_tokens:
     one would be cut: long-prompt traffic, whose outputs the context keeps short, would
     lose a fifth of its decode work. So the overflowing pairs, with as many again drawn
     from the rest, exchange outputs: the longest prompt takes the shortest output (both
-    histograms keep their counts; the pairs that fit stay independent). What no round
+    histograms keep their counts; the other pairs stay as drawn). What no round
     fixes is cut to the context."""
     outputs = outputs.copy()
     for _ in range(PAIRING_ROUNDS):

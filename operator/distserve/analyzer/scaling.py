@@ -9,7 +9,8 @@ load weights (and serve nothing meanwhile) to get from one plan to the other.
 so that the reshuffle starts them beside the instances that serve instead of draining
 those first; `dark_phases` says which phases the reshuffle (`k8s.reshuffling`, the
 operator's own step planner) would leave with no instance serving while a replacement
-loads its weights, and `reshuffle_loadings` how many loadings it runs one after another.
+loads its weights, and `reshuffle_loadings` how many loadings it runs one after another
+(both from `reshuffle_steps`, the steps with when each may begin).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from distserve.k8s.reshuffling import (
     ROLES,
     Instance,
     ReshuffleError,
+    Step,
     plan_reshuffle,
     serving_counts,
 )
@@ -123,39 +125,51 @@ def free_beside(plan: Plan, node_names: list[str], gpus_per_node: int) -> dict[s
     return {node: gpus_per_node - taken[node] for node in node_names}
 
 
+def reshuffle_steps(current: Plan, new: Plan, node_names: list[str],
+                    gpus_per_node: int) -> tuple[list[Instance], list[tuple[Step, int]]]:
+    """The old plan's instances, and the operator's reshuffle steps (`plan_reshuffle` on the
+    GPUs current leaves free) from current to new, each with the weight loadings that
+    must end before it may begin: instances created on free GPUs load together; a drain
+    waits until every instance created before it serves, so each round of
+    drain-then-start adds one loading. A created instance serves one loading after its
+    step begins. ReshuffleError when no step order reaches new."""
+    old = plan_instances(current, "old")
+    steps = plan_reshuffle(old, plan_instances(new, "new"),
+                           free_beside(current, node_names, gpus_per_node)).steps
+    scheduled, started, ready = [], 0, 0  # loadings before the next step, and the last one's end
+    for step in steps:
+        if step.action == "drain":
+            started = max(started, ready)
+        scheduled.append((step, started))
+        if step.action == "create":
+            ready = max(ready, started + 1)
+    return old, scheduled
+
+
 def dark_phases(current: Plan, new: Plan, node_names: list[str], gpus_per_node: int) -> tuple[str, ...]:
     """The phases the reshuffle from current to new leaves with no instance serving for a
     weight loading (it drains a phase's last instance to make room for its replacement);
     both phases when no step order reaches new at all."""
-    old = plan_instances(current, "old")
     try:
-        steps = plan_reshuffle(old, plan_instances(new, "new"),
-                               free_beside(current, node_names, gpus_per_node)).steps
+        old, scheduled = reshuffle_steps(current, new, node_names, gpus_per_node)
     except ReshuffleError:
         return ROLES
+    steps = tuple(step for step, _ in scheduled)
     dark = {role for step, counts in zip(steps, serving_counts(old, steps), strict=True)
             if step.action == "drain" for role in ROLES if counts[role] == 0}
     return tuple(role for role in ROLES if role in dark)
 
 
 def reshuffle_loadings(current: Plan, new: Plan, node_names: list[str], gpus_per_node: int) -> int:
-    """How many weight loadings the reshuffle from current to new runs one after another:
-    instances created on free GPUs load together; a drain waits until every instance
-    created before it serves, so each round of drain-then-start adds one loading (0 when
-    nothing starts; 1 when everything new fits beside the old). The move takes this many
-    times the reload time; with no step order at all, one loading per new instance."""
-    old, fresh = plan_instances(current, "old"), plan_instances(new, "new")
+    """How many weight loadings the reshuffle from current to new runs one after another
+    (`reshuffle_steps`; 0 when nothing starts, 1 when everything new fits beside the
+    old): the move takes this many times the reload time. With no step order at all, one
+    loading per new instance."""
     try:
-        steps = plan_reshuffle(old, fresh, free_beside(current, node_names, gpus_per_node)).steps
+        _, scheduled = reshuffle_steps(current, new, node_names, gpus_per_node)
     except ReshuffleError:
-        return len(fresh)
-    started, ready = 0, 0  # loadings done before the next step may start, and the last one's end
-    for step in steps:
-        if step.action == "create":
-            ready = max(ready, started + 1)
-        elif step.action == "drain":
-            started = max(started, ready)
-    return ready
+        return new.num_instances("prefill") + new.num_instances("decode")
+    return max((started + 1 for step, started in scheduled if step.action == "create"), default=0)
 
 
 def change_kind(current: Plan, new: Plan) -> ChangeKind | None:
