@@ -312,7 +312,7 @@ def test_weight_loading_must_pay_for_itself_over_the_cooldown(reload_s, action):
         assert "does not pay" in decision.reason
 
 
-def test_the_correction_blends_each_window_fit_and_skips_a_reshuffled_window():
+def test_the_correction_blends_each_window_fit_and_skips_a_reshuffled_or_moving_window():
     evaluator = FakeEvaluator(fitted=Correction(2.0, 0.5))
     plan, settings = make_plan(copies=2), make_settings()
     decision = decide(make_observation(900, 4.0), plan, settings, DecisionState(), evaluator)
@@ -324,6 +324,14 @@ def test_the_correction_blends_each_window_fit_and_skips_a_reshuffled_window():
     reshuffled = DecisionState(last_reshuffle_s=1000.0, correction=Correction(1.1, 1.0))
     skipped = decide(make_observation(1200, 4.0), plan, settings, reshuffled, evaluator)
     assert skipped.state.correction == Correction(1.1, 1.0)
+    # a window whose length mix moves within it (chatbot, long prompts in its last third)
+    # measured a load its average does not hold: no fit from it
+    ramping = replace(make_observation(1200, 4.0, seed=2), recent=make_observation(
+        1200, 4.0, "summarization", window_s=300.0, seed=3))
+    held = DecisionState(correction=Correction(1.1, 1.0))
+    assert decide(ramping, plan, settings, held, evaluator).state.correction == Correction(1.1, 1.0)
+    steady = replace(ramping, recent=make_observation(1200, 4.0, window_s=300.0, seed=4))
+    assert decide(steady, plan, settings, held, evaluator).state.correction != Correction(1.1, 1.0)
 
 
 def test_settings_refuse_a_window_shorter_than_the_interval():

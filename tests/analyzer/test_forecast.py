@@ -86,3 +86,18 @@ def test_a_finished_shift_is_not_carried_past_the_new_workload():
     ahead = forecast(done, horizon_s=480)
     assert ahead.is_mix_trend
     assert ahead.workload.prompt.mean_tokens == pytest.approx(done.recent.prompt.mean_tokens, rel=0.05)
+
+
+
+def test_a_small_bucket_both_workloads_hold_does_not_stop_the_carry():
+    # a quarter summaries in the older part, half in the recent one: 1.4 half windows on
+    # (150 s + 480 s past the recent midpoint), 85% summaries. A bucket of a few percent
+    # that both workloads hold empties first; stopped there, the forecast stays near now
+    moving = window([lengths("code", 1800, 1), lengths("summarization", 600, 5)],
+                    [lengths("code", 600, 2), lengths("summarization", 600, 3)])
+    ahead = forecast(moving, horizon_s=480)
+    assert ahead.is_mix_trend and ahead.steps == pytest.approx(1.4)
+    code_mean = float(lengths("code", 4000, 6)[0].mean())
+    summaries_mean = float(lengths("summarization", 4000, 4)[0].mean())
+    expected = 0.15 * code_mean + 0.85 * summaries_mean
+    assert ahead.workload.prompt.mean_tokens == pytest.approx(expected, rel=0.05)

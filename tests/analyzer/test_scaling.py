@@ -7,6 +7,7 @@ from dataclasses import replace
 from decision_factories import make_plan
 
 from distserve.analyzer.scaling import (
+    copies_in_place,
     copy_unit,
     dark_phases,
     free_beside,
@@ -97,3 +98,33 @@ def test_copies_of_a_mixed_plans_shape_are_that_shape_only():
     assert grown.num_gpus == 24
     # every instance it counts has its GPUs: the reshuffle can start each of them
     assert all(i.stages for i in plan_instances(grown, "new"))
+
+
+def test_more_or_fewer_copies_leave_the_copies_that_serve_where_they_are():
+    # a copy placed beside an earlier plan: on node-1 and node-2, not where the search's
+    # first fit would put it (node-0 and node-1)
+    pair = Unit(Config(3, 2), Config(3, 2), 1, 1, 1.0)  # each stage on its own node
+    first_fit = replace(make_plan(((3, 2), (3, 2), 1, 1)), segments=place_units(NODES, 8, pair, 2, 1))
+    serving = replace(first_fit, segments=tuple(
+        replace(s, node={"node-0": "node-1", "node-1": "node-2"}[s.node]) for s in first_fit.segments))
+    unit = copy_unit(serving, 1.0)
+    anew = place_copies(serving, unit, 2, NODES, 8)
+    # copies placed anew move the one that serves: its phases go dark while they reload
+    assert dark_phases(serving, anew, NODES, 8) != ()
+    grown = copies_in_place(serving, unit, 2, NODES, 8)
+    assert (grown.prefill.instances, grown.decode.instances, grown.num_gpus) == (2, 2, 24)
+    assert set(serving.segments) <= set(grown.segments)
+    assert steps(serving, grown) == ["create", "create"]
+    assert dark_phases(serving, grown, NODES, 8) == ()
+    # the new copy's stages share a node per stage, and no GPU is taken twice
+    taken = [(s.node, g) for s in grown.segments for g in s.gpu_ids]
+    assert len(taken) == len(set(taken)) == 24
+    links = pair_links(grown.segments, 2.0, 1.0)
+    assert links[1][1] == 2.0
+    # fewer copies keep the first ones as they are: the reshuffle only drains the rest
+    shrunk = copies_in_place(grown, unit, 1, NODES, 8)
+    assert shrunk.segments == serving.segments
+    assert steps(grown, shrunk) == ["drain", "delete", "drain", "delete"]
+    # a plan that is not copies of the unit is not scaled in place
+    other = Unit(Config(2, 1), Config(2, 1), 1, 1, 1.0)
+    assert copies_in_place(serving, other, 2, NODES, 8) is None

@@ -19,6 +19,7 @@ import numpy as np
 
 from distserve.analyzer.observation import Observation
 from distserve.analyzer.scaling import (
+    copies_in_place,
     copy_unit,
     dark_phases,
     place_copies,
@@ -255,7 +256,9 @@ class SearchEvaluator:
         self, plan: Plan, observation: Observation, rate_rps: float, correction: Correction
     ) -> Plan | None:
         """The current shape (parallelism and prefill:decode ratio) with as many copies as
-        rate_rps needs on the observed workload, or as many as fit; None when none fits."""
+        rate_rps needs on the observed workload, or as many as fit; None when none fits.
+        The copies that serve stay where they are when the others fit beside them
+        (`copies_in_place`); otherwise all are placed anew."""
         ctx = self.context(observation, correction)
         unit = copy_unit(plan, ctx.intra_node_bytes_per_s)
         one = unit_goodput(ctx, unit)
@@ -292,6 +295,12 @@ class SearchEvaluator:
     def _placed(self, plan: Plan, unit: Unit, copies: int) -> Plan | None:
         if self.max_gpus is not None and copies * unit.num_gpus > self.max_gpus:
             return None
+        try:
+            in_place = copies_in_place(plan, unit, copies, self.node_names, self.gpus_per_node)
+        except ClusterTooSmall:
+            in_place = None
+        if in_place is not None:
+            return in_place
         try:
             return place_copies(plan, unit, copies, self.node_names, self.gpus_per_node)
         except ClusterTooSmall:

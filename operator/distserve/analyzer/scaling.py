@@ -30,7 +30,7 @@ from distserve.k8s.reshuffling import (
 )
 from distserve.plan import PhaseConfig, Plan
 from distserve.search.candidates import Config
-from distserve.search.placement import place_instances, place_units
+from distserve.search.placement import place_instances, place_shapes, place_units
 from distserve.search.trials import Unit
 
 ChangeKind = Literal["replicas", "ratio", "parallelism"]
@@ -63,6 +63,45 @@ def place_copies(
         segments = place_instances(node_names, gpus_per_node, prefill, decode)
     return replace(plan, prefill=prefill, decode=decode, segments=segments, baselines={},
                    extra_prefill=(), extra_decode=())
+
+
+def copies_in_place(
+    plan: Plan, unit: Unit, copies: int, node_names: list[str], gpus_per_node: int
+) -> Plan | None:
+    """The plan with `copies` of unit where the copies it runs stay where they serve: the
+    first `copies` of them kept, or all of them and the rest placed on the GPUs they
+    leave free, as a replica autoscaler adds and removes pods without moving the others
+    (ClusterTooSmall when the rest do not fit there). None when the plan is not whole
+    copies of unit (a mixed plan, another shape)."""
+    counts = {"prefill": unit.n_prefill, "decode": unit.n_decode}
+    if plan.is_mixed or not unit.n_prefill or not unit.n_decode:
+        return None
+    have = plan.prefill.instances // unit.n_prefill
+    shapes = [((plan.prefill.tp, plan.prefill.pp), (plan.decode.tp, plan.decode.pp)),
+              (tuple(unit.prefill), tuple(unit.decode))]
+    if shapes[0] != shapes[1] or any(
+        getattr(plan, role).instances != have * n for role, n in counts.items()
+    ):
+        return None
+    prefill = PhaseConfig(*unit.prefill, unit.n_prefill * copies)
+    decode = PhaseConfig(*unit.decode, unit.n_decode * copies)
+    if copies <= have:
+        kept = tuple(s for s in plan.segments if s.instance < copies * counts[s.role])
+        return replace(plan, prefill=prefill, decode=decode, segments=kept, baselines={})
+    taken: dict[str, list[int]] = {}
+    for seg in plan.segments:
+        taken.setdefault(seg.node, []).extend(seg.gpu_ids)
+    first = {role: have * n for role, n in counts.items()}
+    if plan.algorithm == "low-affinity":
+        more = place_shapes(node_names, gpus_per_node,
+                            [(unit, nodes_per_instance(plan), copies - have)], taken, first)
+    else:
+        more = place_instances(node_names, gpus_per_node,
+                               PhaseConfig(*unit.prefill, unit.n_prefill * (copies - have)),
+                               PhaseConfig(*unit.decode, unit.n_decode * (copies - have)),
+                               taken, first)
+    return replace(plan, prefill=prefill, decode=decode, segments=plan.segments + more,
+                   baselines={})
 
 
 def placed_beside(current: Plan, new: Plan, node_names: list[str], gpus_per_node: int) -> Plan:

@@ -12,7 +12,7 @@ their instances are numbered after the first shape's.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from distserve.plan import PhaseConfig, SegmentPlacement
 from distserve.search.trials import Config, Unit
@@ -23,12 +23,16 @@ class ClusterTooSmall(ValueError):
 
 
 class _Nodes:
-    """Free GPU indices per node."""
+    """Free GPU indices per node (all but those `taken`, node name -> GPU ids)."""
 
-    def __init__(self, node_names: list[str], gpus_per_node: int) -> None:
+    def __init__(self, node_names: list[str], gpus_per_node: int,
+                 taken: Mapping[str, Iterable[int]] | None = None) -> None:
         self.names = node_names
         self.gpus_per_node = gpus_per_node
-        self.free = [list(range(gpus_per_node)) for _ in node_names]
+        self.free = []
+        for name in node_names:
+            held = set((taken or {}).get(name, ()))
+            self.free.append([g for g in range(gpus_per_node) if g not in held])
 
     def node_with(self, count: int, avoid: set[int] = frozenset()) -> int:
         """The first node with count free GPUs, preferring nodes not in avoid."""
@@ -67,11 +71,14 @@ def place_units(
 
 
 def place_shapes(
-    node_names: list[str], gpus_per_node: int, shapes: Sequence[Shape]
+    node_names: list[str], gpus_per_node: int, shapes: Sequence[Shape],
+    taken: Mapping[str, Iterable[int]] | None = None, first: Mapping[str, int] | None = None,
 ) -> tuple[SegmentPlacement, ...]:
-    """Segments for copies of one or more unit shapes, placed in order, first fit."""
-    nodes = _Nodes(node_names, gpus_per_node)
-    role_to_first = {"prefill": 0, "decode": 0}
+    """Segments for copies of one or more unit shapes, placed in order, first fit; with
+    `taken`, on the GPUs those leave free, and their instances numbered from `first`
+    (role -> index) where others already hold the indices before."""
+    nodes = _Nodes(node_names, gpus_per_node, taken)
+    role_to_first = {"prefill": 0, "decode": 0, **(first or {})}
     segments: list[SegmentPlacement] = []
     for unit, inter_op, copies in shapes:
         for _ in range(copies):
@@ -125,15 +132,18 @@ def _place_copy(
 
 
 def place_instances(
-    node_names: list[str], gpus_per_node: int, prefill: PhaseConfig, decode: PhaseConfig
+    node_names: list[str], gpus_per_node: int, prefill: PhaseConfig, decode: PhaseConfig,
+    taken: Mapping[str, Iterable[int]] | None = None, first: Mapping[str, int] | None = None,
 ) -> tuple[SegmentPlacement, ...]:
-    """Segments for instances placed anywhere (Algorithm 1, a fixed placement)."""
-    nodes = _Nodes(node_names, gpus_per_node)
+    """Segments for instances placed anywhere (Algorithm 1, a fixed placement); with
+    `taken` and `first`, as `place_shapes` takes them."""
+    nodes = _Nodes(node_names, gpus_per_node, taken)
+    first = first or {}
     segments = []
     for role, phase in (("prefill", prefill), ("decode", decode)):
         if phase.tp > gpus_per_node:
             raise ClusterTooSmall(f"{role} tp={phase.tp} exceeds the {gpus_per_node} GPUs of a node")
-        for i in range(phase.instances):
+        for i in range(first.get(role, 0), first.get(role, 0) + phase.instances):
             whole = phase.gpus_per_instance <= gpus_per_node
             node = nodes.node_with(phase.gpus_per_instance) if whole else None
             for stage in range(phase.pp):
