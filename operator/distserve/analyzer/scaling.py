@@ -77,11 +77,10 @@ def copies_in_place(
     if plan.is_mixed or not unit.n_prefill or not unit.n_decode:
         return None
     have = plan.prefill.instances // unit.n_prefill
-    shapes = [((plan.prefill.tp, plan.prefill.pp), (plan.decode.tp, plan.decode.pp)),
-              (tuple(unit.prefill), tuple(unit.decode))]
-    if shapes[0] != shapes[1] or any(
-        getattr(plan, role).instances != have * n for role, n in counts.items()
-    ):
+    same_shape = ((plan.prefill.tp, plan.prefill.pp), (plan.decode.tp, plan.decode.pp)) == (
+        tuple(unit.prefill), tuple(unit.decode))
+    if not same_shape or any(getattr(plan, role).instances != have * n
+                             for role, n in counts.items()):
         return None
     prefill = PhaseConfig(*unit.prefill, unit.n_prefill * copies)
     decode = PhaseConfig(*unit.decode, unit.n_decode * copies)
