@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,7 +29,7 @@ NUM_REQUESTS = 10
 KILL_ATTEMPTS = 3  # bursts, each with a kill, until one kill hits a request in flight
 
 
-def stream_completion(url: str, prompt: str, first_token: threading.Event | None = None) -> dict:
+def stream_completion(url: str, prompt: str) -> dict:
     """One greedy streaming completion: its text, or the error event it ended with."""
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True}
@@ -49,8 +48,6 @@ def stream_completion(url: str, prompt: str, first_token: threading.Event | None
                 error = doc["error"]["message"]
                 continue
             text += doc["choices"][0]["text"]
-            if first_token is not None:
-                first_token.set()
     return {"text": text, "error": error, "done": is_done}
 
 
@@ -60,25 +57,24 @@ def reference_texts(url: str) -> dict[str, str]:
 
 def burst_with_kill(launcher: LocalLauncher, role: str, expected: dict[str, str]) -> dict:
     """NUM_REQUESTS concurrent streams; SIGKILL the first instance of `role` seen holding
-    requests (queued, running, or prefilled with their KV not yet pulled) once streams
-    are under way."""
-    started = threading.Event()
+    requests (queued, running, or prefilled with their KV not yet pulled). On a loaded
+    machine a burst of the tiny model may end before any look sees a holder: then nothing
+    is killed (`victim` None)."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(NUM_REQUESTS)]
     candidates = [p for p in launcher.procs if p.role == role]
     with ThreadPoolExecutor(NUM_REQUESTS) as pool:
-        futures = [pool.submit(stream_completion, launcher.url, p, started) for p in prompts]
-        assert started.wait(120), "no stream started"
+        futures = [pool.submit(stream_completion, launcher.url, p) for p in prompts]
         found: dict = {}
 
-        def holder_found() -> bool:
+        def holder_found_or_burst_over() -> bool:
             found["proc"] = next((p for p in candidates if _holds_requests(p.url)), None)
-            return found["proc"] is not None
+            return found["proc"] is not None or all(f.done() for f in futures)
 
-        assert wait_until(holder_found, timeout_s=60), f"no {role} instance held a request"
-        proc = found["proc"]
-        victim = proc.name
+        assert wait_until(holder_found_or_burst_over, timeout_s=300), "the burst did not end"
+        victim = found["proc"].name if found["proc"] is not None else None
         killed_s = time.monotonic()
-        os.kill(proc.handle.pid, signal.SIGKILL)
+        if victim is not None:
+            os.kill(found["proc"].handle.pid, signal.SIGKILL)
         results = [f.result(timeout=300) for f in futures]
         recovered_s = time.monotonic() - killed_s
     completed = sum(r["done"] and r["error"] is None for r in results)
@@ -91,7 +87,7 @@ def burst_with_kill(launcher: LocalLauncher, role: str, expected: dict[str, str]
     report = {"sent": len(results), "completed": completed, "failed": failed, "lost": lost,
               "resumed": resumed, "wrong": wrong,
               "seconds_to_finish_after_kill": round(recovered_s, 2)}
-    print(f"\nkill {victim}: {report}")
+    print(f"\nkill {victim or 'nothing (the burst ended before a look saw a holder)'}: {report}")
     return {**report, "victim": victim}
 
 
@@ -124,20 +120,23 @@ def test_instance_killed_under_load_loses_no_request(tiny_llama, expected, insta
     settings = make_settings(tiny_llama, instances=instances, max_decode_batch=4)
     with LocalLauncher(settings, port=free_port_block(4)) as launcher:
         # NOTE: the victim is killed once it is seen holding a request, but on a loaded
-        # machine its requests may all have moved on between that look and the kill; such
-        # a burst still must lose nothing, and the kill is tried again (the killed
-        # instance restarted first) until one hits a request in flight
+        # machine its requests may all have moved on between that look and the kill, or
+        # the burst may end before a look sees one; such a burst still must lose nothing,
+        # and the kill is tried again (the killed instance restarted first) until one
+        # hits a request in flight
         for _ in range(KILL_ATTEMPTS):
             restarts = dict(launcher.restarts)
             report = burst_with_kill(launcher, role, expected)
             victim = report["victim"]
             assert report["lost"] == 0 and report["wrong"] == []
             assert report["completed"] == report["sent"]  # a live instance of each role remained
+            if victim is None:  # the burst ended before a look saw a holder: nothing killed
+                continue
             # The launcher restarts the killed instance and the router takes it back.
             assert _restarted(launcher, victim, restarts.get(victim, 0))
             if report["resumed"] >= 1:  # the kill hit requests in flight, which went on elsewhere
                 break
-        assert report["resumed"] >= 1, f"no kill of {KILL_ATTEMPTS} hit a request in flight"
+        assert report["resumed"] >= 1, f"no burst of {KILL_ATTEMPTS} had a kill hit a request in flight"
         after = stream_completion(launcher.url, PROMPTS[0])
         assert after["text"] == expected[PROMPTS[0]]
 
