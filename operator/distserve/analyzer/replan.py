@@ -295,16 +295,14 @@ class SearchEvaluator:
     def _placed(self, plan: Plan, unit: Unit, copies: int) -> Plan | None:
         if self.max_gpus is not None and copies * unit.num_gpus > self.max_gpus:
             return None
-        try:
-            in_place = copies_in_place(plan, unit, copies, self.node_names, self.gpus_per_node)
-        except ClusterTooSmall:
-            in_place = None
-        if in_place is not None:
-            return in_place
-        try:
-            return place_copies(plan, unit, copies, self.node_names, self.gpus_per_node)
-        except ClusterTooSmall:
-            return None
+        for place in (copies_in_place, place_copies):  # the serving copies kept, else anew
+            try:
+                placed = place(plan, unit, copies, self.node_names, self.gpus_per_node)
+            except ClusterTooSmall:
+                continue
+            if placed is not None:
+                return placed
+        return None
 
     def _largest_fitting(self, plan: Plan, unit: Unit, copies: int) -> Plan | None:
         for fewer in range(copies - 1, 0, -1):

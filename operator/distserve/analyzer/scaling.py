@@ -28,9 +28,9 @@ from distserve.k8s.reshuffling import (
     plan_reshuffle,
     serving_counts,
 )
-from distserve.plan import PhaseConfig, Plan
+from distserve.plan import PhaseConfig, Plan, SegmentPlacement
 from distserve.search.candidates import Config
-from distserve.search.placement import place_instances, place_shapes, place_units
+from distserve.search.placement import place_instances, place_shapes
 from distserve.search.trials import Unit
 
 ChangeKind = Literal["replicas", "ratio", "parallelism"]
@@ -55,14 +55,10 @@ def place_copies(
 ) -> Plan:
     """The plan with `copies` of unit placed anew (ClusterTooSmall when they do not fit):
     those copies only, a mixed plan's groups of other shapes left out."""
-    prefill = PhaseConfig(*unit.prefill, unit.n_prefill * copies)
-    decode = PhaseConfig(*unit.decode, unit.n_decode * copies)
-    if plan.algorithm == "low-affinity":
-        segments = place_units(node_names, gpus_per_node, unit, nodes_per_instance(plan), copies)
-    else:
-        segments = place_instances(node_names, gpus_per_node, prefill, decode)
-    return replace(plan, prefill=prefill, decode=decode, segments=segments, baselines={},
-                   extra_prefill=(), extra_decode=())
+    return replace(plan, prefill=PhaseConfig(*unit.prefill, unit.n_prefill * copies),
+                   decode=PhaseConfig(*unit.decode, unit.n_decode * copies),
+                   segments=_copy_segments(plan, unit, copies, node_names, gpus_per_node),
+                   baselines={}, extra_prefill=(), extra_decode=())
 
 
 def copies_in_place(
@@ -82,25 +78,29 @@ def copies_in_place(
     if not same_shape or any(getattr(plan, role).instances != have * n
                              for role, n in counts.items()):
         return None
-    prefill = PhaseConfig(*unit.prefill, unit.n_prefill * copies)
-    decode = PhaseConfig(*unit.decode, unit.n_decode * copies)
     if copies <= have:
-        kept = tuple(s for s in plan.segments if s.instance < copies * counts[s.role])
-        return replace(plan, prefill=prefill, decode=decode, segments=kept, baselines={})
-    taken: dict[str, list[int]] = {}
-    for seg in plan.segments:
-        taken.setdefault(seg.node, []).extend(seg.gpu_ids)
-    first = {role: have * n for role, n in counts.items()}
-    if plan.algorithm == "low-affinity":
-        more = place_shapes(node_names, gpus_per_node,
-                            [(unit, nodes_per_instance(plan), copies - have)], taken, first)
+        segments = tuple(s for s in plan.segments if s.instance < copies * counts[s.role])
     else:
-        more = place_instances(node_names, gpus_per_node,
-                               PhaseConfig(*unit.prefill, unit.n_prefill * (copies - have)),
-                               PhaseConfig(*unit.decode, unit.n_decode * (copies - have)),
-                               taken, first)
-    return replace(plan, prefill=prefill, decode=decode, segments=plan.segments + more,
-                   baselines={})
+        first = {role: have * n for role, n in counts.items()}
+        segments = plan.segments + _copy_segments(plan, unit, copies - have, node_names,
+                                                  gpus_per_node, taken_gpus(plan), first)
+    return replace(plan, prefill=PhaseConfig(*unit.prefill, unit.n_prefill * copies),
+                   decode=PhaseConfig(*unit.decode, unit.n_decode * copies),
+                   segments=segments, baselines={})
+
+
+def _copy_segments(
+    plan: Plan, unit: Unit, copies: int, node_names: list[str], gpus_per_node: int,
+    taken: dict[str, set[int]] | None = None, first: dict[str, int] | None = None,
+) -> tuple[SegmentPlacement, ...]:
+    """Segments for `copies` of unit placed as the plan's algorithm places them, on the
+    GPUs `taken` leaves free, instances numbered from `first` (`place_shapes`)."""
+    if plan.algorithm == "low-affinity":
+        return place_shapes(node_names, gpus_per_node,
+                            [(unit, nodes_per_instance(plan), copies)], taken, first)
+    return place_instances(node_names, gpus_per_node,
+                           PhaseConfig(*unit.prefill, unit.n_prefill * copies),
+                           PhaseConfig(*unit.decode, unit.n_decode * copies), taken, first)
 
 
 def placed_beside(current: Plan, new: Plan, node_names: list[str], gpus_per_node: int) -> Plan:
@@ -116,9 +116,7 @@ def placed_beside(current: Plan, new: Plan, node_names: list[str], gpus_per_node
     if keys(current) & keys(new):
         return new
     free = free_beside(current, node_names, gpus_per_node)
-    taken_ids: dict[str, set[int]] = {}
-    for seg in current.segments:
-        taken_ids.setdefault(seg.node, set()).update(seg.gpu_ids)
+    taken_ids = taken_gpus(current)
     wanted: Counter = Counter()
     for seg in new.segments:
         wanted[seg.node] += len(seg.gpu_ids)
@@ -155,12 +153,18 @@ def plan_instances(plan: Plan, revision: str) -> list[Instance]:
     return found
 
 
+def taken_gpus(plan: Plan) -> dict[str, set[int]]:
+    """The GPU ids the plan's instances take on each node."""
+    taken: dict[str, set[int]] = {}
+    for seg in plan.segments:
+        taken.setdefault(seg.node, set()).update(seg.gpu_ids)
+    return taken
+
+
 def free_beside(plan: Plan, node_names: list[str], gpus_per_node: int) -> dict[str, int]:
     """GPUs each node has free with the plan's instances in place."""
-    taken: Counter = Counter()
-    for seg in plan.segments:
-        taken[seg.node] += len(seg.gpu_ids)
-    return {node: gpus_per_node - taken[node] for node in node_names}
+    taken = taken_gpus(plan)
+    return {node: gpus_per_node - len(taken.get(node, ())) for node in node_names}
 
 
 def reshuffle_steps(current: Plan, new: Plan, node_names: list[str],
