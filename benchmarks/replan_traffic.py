@@ -8,7 +8,8 @@ Poisson process whose rate follows the day; each takes its lengths from the ship
 sample of the application the mix draws.
 
 An observation is built as the analyzer builds one from Prometheus: arrivals counted,
-lengths only as the engine's histogram buckets (fitted by `analyzer.fit`), the
+lengths only as the engine's histogram buckets (fitted by `analyzer.fit`) and its joint
+histogram (which prompt class had which output bucket), the
 burstiness from sub-window counts, the window's last third as `recent`, the latencies from what the deployment served.
 """
 
@@ -20,11 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from distserve.analyzer.fit import fit_lengths
-from distserve.analyzer.observation import Observation
+from distserve.analyzer.observation import JointLengths, Observation
 from distserve.analyzer.observe import RECENT_SHARE
 from distserve.simulator import SLO
 from distserve.workload import load_lengths
-from distserve_engine.metrics import length_buckets_tokens
+from distserve_engine.metrics import joint_buckets_tokens, length_buckets_tokens
 
 APPS = ("code", "chatbot", "summarization")
 # (share of the day, mix at that point) pairs; the mix is linear in between.
@@ -94,6 +95,16 @@ def histogram(lengths: np.ndarray, max_model_len: int) -> tuple[tuple[float, ...
     return upper, np.bincount(index, minlength=len(upper)).astype(float)
 
 
+def joint(prompts: np.ndarray, outputs: np.ndarray, max_model_len: int) -> JointLengths:
+    """The engine's joint histogram of these requests: per prompt class, per output bucket."""
+    upper = (*(float(b) for b in joint_buckets_tokens(max_model_len)), math.inf)
+    rows = np.searchsorted(np.asarray(upper[:-1]), prompts, side="left")
+    columns = np.searchsorted(np.asarray(upper[:-1]), outputs, side="left")
+    counts = np.zeros((len(upper), len(upper)))
+    np.add.at(counts, (rows, columns), 1.0)
+    return JointLengths(upper, upper, tuple(tuple(float(c) for c in row) for row in counts))
+
+
 @dataclass(frozen=True)
 class Seen:
     """What a deployment served in a window: per-request TTFT and TPOT (NaN: not served)."""
@@ -130,11 +141,14 @@ def observe(
         arrival_rate_rps=len(index) / span_s, arrival_cv=cv,
         prompt=fit_lengths(*histogram(traffic.prompt_tokens[index], max_model_len)),
         output=fit_lengths(*histogram(traffic.output_tokens[index], max_model_len)),
+        joint=joint(traffic.prompt_tokens[index], traffic.output_tokens[index], max_model_len),
         recent=Observation(
             end_s=end_s, window_s=recent_s, num_requests=len(recent),
             arrival_rate_rps=len(recent) / recent_s, arrival_cv=cv,
             prompt=fit_lengths(*histogram(traffic.prompt_tokens[recent], max_model_len)),
             output=fit_lengths(*histogram(traffic.output_tokens[recent], max_model_len)),
+            joint=joint(traffic.prompt_tokens[recent], traffic.output_tokens[recent],
+                        max_model_len),
         ),
         **fields,
     )

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from analyzer_factories import make_joint
 from decision_factories import length_fit
 
 from distserve.analyzer.forecast import MAX_RATE_GROWTH, MIN_RECENT_REQUESTS, forecast
@@ -31,7 +32,8 @@ def window(older: list[tuple[np.ndarray, np.ndarray]], recent: list[tuple[np.nda
         return Observation(
             end_s=WINDOW_S, window_s=window_s, num_requests=len(prompts),
             arrival_rate_rps=len(prompts) / window_s, arrival_cv=1.0,
-            prompt=length_fit(prompts), output=length_fit(outputs), recent=inner)
+            prompt=length_fit(prompts), output=length_fit(outputs),
+            joint=make_joint(prompts, outputs), recent=inner)
 
     return observed([*older, *recent], WINDOW_S, observed(recent, RECENT_S))
 
@@ -42,6 +44,7 @@ def test_a_steady_window_is_carried_as_it_is_now():
     assert not ahead.is_rate_trend and not ahead.is_mix_trend
     assert ahead.rate_rps == pytest.approx(4.0)  # the last third's rate
     assert ahead.workload.prompt is steady.recent.prompt  # the lengths of now, not carried
+    assert ahead.workload.joint is steady.recent.joint
     assert ahead.workload.arrival_rate_rps == steady.arrival_rate_rps
     few = replace(steady, recent=replace(steady.recent, num_requests=MIN_RECENT_REQUESTS - 1))
     assert forecast(few, horizon_s=480).workload is few  # too few to fit: the window's
@@ -101,3 +104,13 @@ def test_a_small_bucket_both_workloads_hold_does_not_stop_the_carry():
     summaries_mean = float(lengths("summarization", 4000, 4)[0].mean())
     expected = 0.15 * code_mean + 0.85 * summaries_mean
     assert ahead.workload.prompt.mean_tokens == pytest.approx(expected, rel=0.05)
+    # the pairs are carried with the mix: 85% of the requests ahead are long prompts,
+    # and those still have the summaries' outputs
+    joint = ahead.workload.joint
+    counts = np.asarray(joint.counts)
+    long_rows = np.asarray(joint.prompt_upper_tokens) > 1000
+    assert counts.sum() == pytest.approx(1200)  # as many requests as the recent part
+    assert counts[long_rows].sum() / counts.sum() == pytest.approx(0.85, abs=0.03)
+    summaries = make_joint(*lengths("summarization", 4000, 4))
+    assert np.allclose(counts[long_rows].sum(axis=0) / counts[long_rows].sum(),
+                       np.asarray(summaries.counts)[long_rows].sum(axis=0) / 4000, atol=0.05)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -16,6 +17,7 @@ from prometheus_process import PrometheusProcess, free_port
 
 from distserve.analyzer.observe import observe
 from distserve.analyzer.prometheus import PrometheusClient, PrometheusError
+from distserve.analyzer.replan import observed_workload
 
 PLAN = {"id": "plan-under-test", "predicted_attainment": 0.9, "predicted_goodput_rps": 6.0,
         "prefill": "tp1pp1x1", "decode": "tp1pp1x1"}
@@ -46,13 +48,14 @@ def serving(model: str, **overrides):
 
 
 def make_load(rate_rps: float, duration_s: float, seed: int) -> list[tuple[float, int, int]]:
-    """(send at s, prompt tokens, output tokens): Poisson arrivals, log-normal lengths."""
+    """(send at s, prompt tokens, output tokens): Poisson arrivals, log-normal lengths; the
+    longer the prompt, the longer its output (half of it, give or take)."""
     rng = np.random.default_rng(seed)
     gaps_s = rng.exponential(1.0 / rate_rps, int(rate_rps * duration_s * 2))
     times_s = np.cumsum(gaps_s)
     times_s = times_s[times_s < duration_s]
     prompts = np.clip(np.rint(rng.lognormal(np.log(60), 0.5, len(times_s))), 4, 300).astype(int)
-    outputs = np.clip(np.rint(rng.lognormal(np.log(10), 0.6, len(times_s))), 1, 48).astype(int)
+    outputs = np.clip(np.rint(prompts / 2 * rng.lognormal(0, 0.3, len(times_s))), 1, 150).astype(int)
     return list(zip(times_s.tolist(), prompts.tolist(), outputs.tolist(), strict=True))
 
 
@@ -113,6 +116,25 @@ def test_rate_lengths_and_plan_match_what_was_sent(tiny_model, tmp_path):
     assert {"prefill", "decode"} <= set(seen.phases)
     assert seen.phases["prefill"].queue_time_p90_s is not None
     assert seen.phases["decode"].kv_usage_mean is not None
+    # which prompts had which outputs: per prompt class, the requests sent, and the mean
+    # output the simulator's resampled workload gives that class's prompts (the joint's
+    # cells are coarse, 1-2-5: within 15%), and what it gave them drawn independently
+    classes = np.asarray(seen.joint.prompt_upper_tokens)
+    sent_class = np.searchsorted(classes, prompts, side="left")
+    paired = observed_workload(seen, 512).lengths
+    independent = observed_workload(replace(seen, joint=None), 512).lengths
+    for row, counts in enumerate(seen.joint.counts):
+        mine = sent_class == row
+        print(f"prompts <= {classes[row]:.0f}: sent {mine.sum()}, analyzer {sum(counts):.1f}", end="")
+        assert abs(sum(counts) - mine.sum()) <= max(3.0, 0.10 * mine.sum())
+        if mine.sum() < 30:
+            print()
+            continue
+        means = [w.output_tokens[np.searchsorted(classes, w.prompt_tokens, side="left") == row].mean()
+                 for w in (paired, independent)]
+        print(f"; mean output sent {outputs[mine].mean():.1f}, resampled {means[0]:.1f}, "
+              f"drawn independently {means[1]:.1f}")
+        assert within(means[0], outputs[mine].mean(), 0.15)
 
 
 @pytest.mark.slow
@@ -132,6 +154,7 @@ def test_refused_requests_count_as_arrivals_without_lengths(tiny_model, tmp_path
     print(f"\nrefused {len(statuses)}; analyzer: {seen.num_requests} arrivals, {seen.num_refused} refused")
     assert within(seen.num_requests, len(statuses)) and within(seen.num_refused, len(statuses))
     assert seen.prompt is None and seen.output is None and seen.attainment is None
+    assert seen.joint is None or seen.joint.total == 0
     assert other.num_requests == 0 and other.plan_id is None  # the selector is honoured
 
 

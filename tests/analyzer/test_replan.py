@@ -7,13 +7,16 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from analyzer_factories import make_histogram
+from analyzer_factories import make_histogram, make_joint
 from decision_factories import SHORT_SHAPE, make_observation, make_plan
 
 from distserve.analyzer.fit import fit_lengths
+from distserve.analyzer.observation import Observation
 from distserve.analyzer.replan import NUM_SAMPLES, Prediction, SearchEvaluator, observed_workload
 from distserve.analyzer.scaling import change_kind, copy_unit, place_copies, started_gpus
 from distserve.latency import Correction, corrected, get_latency_model
+from distserve.search.trials import simulate_unit
+from distserve.simulator import Trace
 from distserve.spec import parse_spec
 from distserve.workload import load_lengths
 
@@ -87,6 +90,58 @@ def test_the_resampled_pairs_fit_the_context_and_keep_the_output_lengths(dataset
     drawn = window.output.sample(NUM_SAMPLES, rng, 2047)
     cut = int((np.sort(drawn) != np.sort(lengths.output_tokens)).sum())
     assert cut <= 0.01 * NUM_SAMPLES
+
+
+def code_and_summaries(rate_rps: float, window_s: float = 300.0, seed: int = 0):
+    """A window of 65% code completions and 35% summaries, each prompt with its own output
+    (summaries generate ~4x longer), Poisson at rate_rps: (arrivals, prompts, outputs)."""
+    rng = np.random.default_rng(seed)
+    code, summaries = load_lengths("code"), load_lengths("summarization")
+    num = int(rate_rps * window_s)
+    num_long = int(0.35 * num)
+    short = rng.integers(0, len(code), num - num_long)
+    long = rng.integers(0, len(summaries), num_long)
+    order = rng.permutation(num)
+    prompts = np.concatenate([code.prompt_tokens[short], summaries.prompt_tokens[long]])[order]
+    outputs = np.concatenate([code.output_tokens[short], summaries.output_tokens[long]])[order]
+    return np.cumsum(rng.exponential(1 / rate_rps, num)), prompts, outputs
+
+
+def test_the_joint_histogram_keeps_long_outputs_with_long_prompts_and_the_miss_they_cause():
+    # a decode instance holds a request's prompt and output in its KV cache until the
+    # output ends: paired at random, the summaries' long outputs go to code prompts and
+    # the KV the mix holds looks far smaller than it is
+    rate_rps = 4.5
+    arrivals, prompts, outputs = code_and_summaries(rate_rps)
+    window = Observation(
+        end_s=300.0, window_s=300.0, num_requests=len(prompts), arrival_rate_rps=rate_rps,
+        arrival_cv=1.0, prompt=fit_lengths(*make_histogram(prompts)),
+        output=fit_lengths(*make_histogram(outputs)), joint=make_joint(prompts, outputs))
+    independent = replace(window, joint=None)
+    long = prompts > 1000
+    for observation, tolerance in ((window, 0.05), (independent, None)):
+        lengths = observed_workload(observation, max_context_tokens=2048).lengths
+        drawn_long = lengths.prompt_tokens > 1000
+        means = (lengths.output_tokens[drawn_long].mean(), lengths.output_tokens[~drawn_long].mean())
+        print(f"mean output of long / short prompts: sent {outputs[long].mean():.0f} / "
+              f"{outputs[~long].mean():.0f}, resampled {means[0]:.0f} / {means[1]:.0f} "
+              f"({'joint' if tolerance else 'independent'})")
+        if tolerance:
+            assert means[0] == pytest.approx(outputs[long].mean(), rel=tolerance)
+            assert means[1] == pytest.approx(outputs[~long].mean(), rel=tolerance)
+            assert (lengths.prompt_tokens + lengths.output_tokens).max() <= 2048
+        else:  # drawn independently, long prompts get the mix's mean output
+            assert means[0] < 0.6 * outputs[long].mean()
+    # the morning's code plan (prefill tp2pp2, decode tp3pp1) on this window
+    evaluator = make_evaluator()
+    plan = placed_plan(evaluator, ((2, 2), (3, 1), 1, 1))
+    ctx = evaluator.context(window, Correction())
+    served = simulate_unit(ctx, evaluator.unit_of(ctx, plan), Trace(arrivals, prompts, outputs))
+    paired = evaluator.predict(plan, window, rate_rps, Correction()).attainment
+    unpaired = evaluator.predict(plan, independent, rate_rps, Correction()).attainment
+    print(f"attainment: the window as it came {served.attainment(ctx.slo):.1%}, predicted "
+          f"{paired:.1%} with the joint histogram, {unpaired:.1%} paired at random")
+    assert served.attainment(ctx.slo) < 0.9 and paired < 0.9 <= unpaired
 
 
 def test_scaling_keeps_the_shape_and_adds_copies_for_the_rate():

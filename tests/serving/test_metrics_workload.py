@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serving_helpers import ServerThread, make_settings
 
-from distserve_engine.metrics import length_buckets_tokens
+from distserve_engine.metrics import joint_buckets_tokens, length_buckets_tokens
 
 PLAN = {"id": "abc123", "predicted_attainment": 0.93, "predicted_goodput_rps": 4.5,
         "prefill": "tp1pp1x1", "decode": "tp1pp1x1"}
@@ -42,6 +42,13 @@ def test_length_buckets_are_ten_per_decade_up_to_the_context():
         length_buckets_tokens(-1)
 
 
+def test_the_joint_histogram_classes_are_whole_length_buckets():
+    assert joint_buckets_tokens(2048) == (20, 50, 100, 200, 500, 1000, 2000, 2048)
+    assert joint_buckets_tokens(512)[-1] == 512 and joint_buckets_tokens(10) == (10,)
+    for max_model_len in (10, 512, 2048, 131072):
+        assert set(joint_buckets_tokens(max_model_len)) <= set(length_buckets_tokens(max_model_len))
+
+
 @pytest.fixture
 def planned(tiny_llama, tmp_path):
     """A deployment with a plan in its settings, refusing beyond 0 waiting when asked."""
@@ -68,6 +75,9 @@ def test_router_counts_arrivals_lengths_and_exports_the_plan(planned):
         # Before any request the counters exist at 0 (a rate over a window sees the first one).
         assert value(text, "distserve_requests_arrived_total") == 0
         assert value(text, "vllm:request_prompt_tokens_count") == 0
+        classes = {dict(k)["prompt_le"] for k in
+                   samples(text, "distserve_request_generation_tokens_by_prompt_count")}
+        assert {"20", "50", "+Inf"} <= classes
         for prompt_len, max_tokens in ((7, 3), (40, 9)):
             r = httpx.post(f"{server.url}/v1/completions", timeout=60,
                            json={"prompt": [5] * prompt_len, "max_tokens": max_tokens, "ignore_eos": True})
@@ -80,6 +90,11 @@ def test_router_counts_arrivals_lengths_and_exports_the_plan(planned):
     assert value(text, "vllm:request_prompt_tokens_bucket", le="8.0") == 1
     assert value(text, "vllm:request_prompt_tokens_bucket", le="40.0") == 2
     assert value(text, "vllm:request_generation_tokens_bucket", le="3.0") == 1
+    # which prompt had which output: 7 tokens -> 3, 40 tokens -> 9
+    joint = "distserve_request_generation_tokens_by_prompt_bucket"
+    assert value(text, joint, prompt_le="20", le="20.0") == 1
+    assert value(text, joint, prompt_le="50", le="20.0") == 1
+    assert value(text, joint, prompt_le="100", le="+Inf") == 0
     assert value(text, "distserve_plan_info", plan_id="abc123", prefill="tp1pp1x1", decode="tp1pp1x1") == 1
     assert value(text, "distserve_plan_predicted_attainment", plan_id="abc123") == pytest.approx(0.93)
     assert value(text, "distserve_plan_predicted_goodput_rps", plan_id="abc123") == pytest.approx(4.5)

@@ -46,7 +46,12 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, Protocol
 
 from distserve.analyzer.forecast import Forecast, forecast
-from distserve.analyzer.observation import LengthFit, Observation, PhaseObservation
+from distserve.analyzer.observation import (
+    JointLengths,
+    LengthFit,
+    Observation,
+    PhaseObservation,
+)
 from distserve.analyzer.replan import Prediction
 from distserve.analyzer.scaling import ChangeKind, change_kind, ratio_text, started_gpus
 from distserve.analyzer.settings import ReplanningSpec
@@ -184,10 +189,17 @@ def _observation_from_dict(data: Mapping[str, Any] | None) -> Observation | None
         return LengthFit(**{**values, **{k: tuple(values[k]) for k in
                                          ("params", "bucket_upper_tokens", "bucket_counts")}})
 
+    def joint(values: Mapping[str, Any] | None) -> JointLengths | None:
+        if values is None:
+            return None
+        return JointLengths(tuple(values["prompt_upper_tokens"]),
+                            tuple(values["output_upper_tokens"]),
+                            tuple(tuple(row) for row in values["counts"]))
+
     phases = {name: PhaseObservation(**values) for name, values in (data.get("phases") or {}).items()}
     return Observation(**{**data, "prompt": fit(data.get("prompt")),
-                          "output": fit(data.get("output")), "phases": phases,
-                          "recent": _observation_from_dict(data.get("recent"))})
+                          "output": fit(data.get("output")), "joint": joint(data.get("joint")),
+                          "phases": phases, "recent": _observation_from_dict(data.get("recent"))})
 
 
 @dataclass(frozen=True)

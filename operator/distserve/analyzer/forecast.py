@@ -21,7 +21,8 @@ gives the traffic there:
   stop it and end at zero: a small bucket the two workloads share empties long before
   the old workload's own buckets do, and stopping there kept the forecast of the
   replanning benchmark's code -> summarization ramp at 1044 prompt tokens where
-  1401 came (1344 now). The window's lengths stand when the recent part holds fewer
+  1401 came (1344 now). The joint histogram's cells (which prompts had which outputs)
+  are carried the same way. The window's lengths stand when the recent part holds fewer
   than `MIN_RECENT_REQUESTS`.
 The extrapolation is at most `MAX_STEPS` half windows: past that a trend is a guess.
 """
@@ -33,7 +34,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from distserve.analyzer.fit import fit_lengths
-from distserve.analyzer.observation import LengthFit, Observation
+from distserve.analyzer.observation import JointLengths, LengthFit, Observation
 from distserve.analyzer.shift import ShiftThresholds, is_shifted, rate_p_value
 
 MAX_STEPS = 1.5  # half windows a trend is carried past the recent part's midpoint
@@ -74,12 +75,13 @@ def forecast(
     workload, is_mix_trend = observation, False
     if (recent.prompt is not None and recent.output is not None
             and recent.num_requests >= MIN_RECENT_REQUESTS):
-        prompt, output = recent.prompt, recent.output
+        prompt, output, joint = recent.prompt, recent.output, recent.joint
         if is_shifted(observation, recent, TREND_THRESHOLDS).is_mix_shifted:
             prompt = _carried(observation.prompt, recent.prompt, steps)
             output = _carried(observation.output, recent.output, steps)
+            joint = _carried_joint(observation.joint, recent.joint, steps)
             is_mix_trend = True
-        workload = replace(observation, prompt=prompt, output=output)
+        workload = replace(observation, prompt=prompt, output=output, joint=joint)
     return Forecast(rate_rps, workload, steps, is_rate_trend, is_mix_trend)
 
 
@@ -97,10 +99,38 @@ def _carried(window: LengthFit | None, recent: LengthFit, steps: float) -> Lengt
     from the older part's shares; the recent fit when the histograms do not line up."""
     if window is None or window.bucket_upper_tokens != recent.bucket_upper_tokens:
         return recent
-    recent_counts = np.asarray(recent.bucket_counts, dtype=float)
-    older_counts = np.maximum(np.asarray(window.bucket_counts, dtype=float) - recent_counts, 0.0)
-    if recent_counts.sum() <= 0 or older_counts.sum() <= 0:
+    counts = _carried_counts(np.asarray(window.bucket_counts, dtype=float),
+                             np.asarray(recent.bucket_counts, dtype=float), steps)
+    if counts is None:
         return recent
+    return fit_lengths(recent.bucket_upper_tokens, counts) or recent
+
+
+def _carried_joint(window: JointLengths | None, recent: JointLengths | None,
+                   steps: float) -> JointLengths | None:
+    """The recent joint histogram's cells carried as `_carried` carries buckets."""
+    if recent is None or window is None or (
+        (window.prompt_upper_tokens, window.output_upper_tokens)
+        != (recent.prompt_upper_tokens, recent.output_upper_tokens)
+    ):
+        return recent
+    recent_counts = np.asarray(recent.counts, dtype=float)
+    counts = _carried_counts(np.asarray(window.counts, dtype=float).ravel(),
+                             recent_counts.ravel(), steps)
+    if counts is None:
+        return recent
+    return replace(recent, counts=tuple(tuple(float(c) for c in row)
+                                        for row in counts.reshape(recent_counts.shape)))
+
+
+def _carried_counts(window_counts: np.ndarray, recent_counts: np.ndarray,
+                    steps: float) -> np.ndarray | None:
+    """Counts with the recent part's total whose shares are the recent ones carried `steps`
+    along the trend from the older part's (the window less the recent part); None when a
+    part is empty."""
+    older_counts = np.maximum(window_counts - recent_counts, 0.0)
+    if recent_counts.sum() <= 0 or older_counts.sum() <= 0:
+        return None
     recent_share = recent_counts / recent_counts.sum()
     older_share = older_counts / older_counts.sum()
     trend = recent_share - older_share
@@ -108,5 +138,4 @@ def _carried(window: LengthFit | None, recent: LengthFit, steps: float) -> Lengt
     if np.any(emptying):  # the carry stops where the first such bucket runs empty
         steps = min(steps, float(np.min(recent_share[emptying] / -trend[emptying])))
     ahead = np.maximum(recent_share + trend * steps, 0.0)
-    counts = ahead / ahead.sum() * recent_counts.sum()  # as many requests as the recent part
-    return fit_lengths(recent.bucket_upper_tokens, counts) or recent
+    return ahead / ahead.sum() * recent_counts.sum()  # as many requests as the recent part

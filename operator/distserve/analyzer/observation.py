@@ -47,6 +47,21 @@ class LengthFit:
 
 
 @dataclass(frozen=True)
+class JointLengths:
+    """Finished requests per (prompt class, generated-length class): which prompts had which
+    outputs, coarsely (`distserve_request_generation_tokens_by_prompt`). The two length
+    histograms say how long prompts and outputs are; this says how they pair."""
+
+    prompt_upper_tokens: tuple[float, ...]  # the classes' upper bounds (prompt_le), +Inf last
+    output_upper_tokens: tuple[float, ...]  # the buckets' upper bounds (le), +Inf last
+    counts: tuple[tuple[float, ...], ...]  # [prompt class][output bucket], not cumulative
+
+    @property
+    def total(self) -> float:
+        return float(np.sum(self.counts))
+
+
+@dataclass(frozen=True)
 class PhaseObservation:
     """One phase's health over the window (prefill or decode)."""
 
@@ -65,6 +80,7 @@ class Observation:
     arrival_cv: float | None  # burstiness: the gaps' CV from sub-window counts (Var/mean of counts ~ CV^2)
     prompt: LengthFit | None
     output: LengthFit | None
+    joint: JointLengths | None = None  # how prompts and outputs pair (None: not exported)
     ttft_attainment: float | None = None  # share of finished requests within the TTFT SLO
     tpot_attainment: float | None = None
     attainment: float | None = None  # both SLOs (the plan's rule)

@@ -13,7 +13,8 @@ summed over the deployment's routers and instances that match the selector:
   window lags, and the service after a reshuffle early in the window;
 - lengths: the increase of each bucket of `vllm:request_prompt_tokens` and
   `vllm:request_generation_tokens`, fitted by `fit.py` (interval-censored maximum
-  likelihood over a few `scipy.stats` families);
+  likelihood over a few `scipy.stats` families), and of
+  `distserve_request_generation_tokens_by_prompt` by prompt class: how they pair;
 - service: attainment from `distserve_slo_met_requests_total` over
   `distserve_requests_total`, p90 TTFT and TPOT, p90 queue time per phase, mean KV
   usage per role, and the plan served (`distserve_plan_info`, the router's first).
@@ -32,7 +33,12 @@ from collections.abc import Mapping
 import numpy as np
 
 from distserve.analyzer.fit import fit_lengths
-from distserve.analyzer.observation import LengthFit, Observation, PhaseObservation
+from distserve.analyzer.observation import (
+    JointLengths,
+    LengthFit,
+    Observation,
+    PhaseObservation,
+)
 from distserve.analyzer.prometheus import PrometheusClient, Sample, finite_or_none
 
 DEFAULT_WINDOW_S = 900.0  # 15 minutes
@@ -73,6 +79,7 @@ def window_queries(selector: str, window_s: float) -> dict[str, str]:
         "slo_met": inc("distserve_slo_met_requests_total", "slo"),
         "prompt": inc("vllm:request_prompt_tokens_bucket", "le"),
         "output": inc("vllm:request_generation_tokens_bucket", "le"),
+        "joint": inc("distserve_request_generation_tokens_by_prompt_bucket", "prompt_le, le"),
         "ttft_p90": p90("vllm:time_to_first_token_seconds"),
         "tpot_p90": p90("vllm:time_per_output_token_seconds"),
         "queue_p90": p90("distserve_queue_time_seconds", "le, phase"),
@@ -91,6 +98,23 @@ def bucket_counts(samples: list[Sample]) -> tuple[tuple[float, ...], tuple[float
     cumulative = np.maximum.accumulate(np.maximum([c for _, c in by_le], 0.0))
     counts = np.diff(cumulative, prepend=0.0)
     return upper, tuple(float(c) for c in counts)
+
+
+def joint_counts(samples: list[Sample]) -> JointLengths | None:
+    """The joint histogram (per prompt class, per output bucket) from its cumulative buckets
+    by `prompt_le` and `le`; None without them or when the classes' buckets differ."""
+    by_class: dict[float, list[Sample]] = {}
+    for sample in samples:
+        if "prompt_le" in sample.labels:
+            by_class.setdefault(float(sample.labels["prompt_le"]), []).append(sample)
+    rows = {upper: bucket_counts(group) for upper, group in sorted(by_class.items())}
+    if not rows or any(row is None for row in rows.values()):
+        return None
+    output_upper = {row[0] for row in rows.values()}
+    if len(output_upper) != 1:
+        return None
+    return JointLengths(tuple(rows), output_upper.pop(),
+                        tuple(row[1] for row in rows.values()))
 
 
 def dispersion_cv(counts: list[float] | np.ndarray) -> float | None:
@@ -146,7 +170,8 @@ async def observe(client: PrometheusClient, labels: Mapping[str, str],
     queries = window_queries(selector, window_s)
     recent_queries = {f"recent_{name}": query
                       for name, query in window_queries(selector, recent_s).items()
-                      if name in ("arrived", "prompt", "output", "finished", "slo_met")}
+                      if name in ("arrived", "prompt", "output", "joint", "finished",
+                                  "slo_met")}
     queries.update(recent_queries)
     names = list(queries)
     answers = await asyncio.gather(
@@ -167,7 +192,7 @@ async def observe(client: PrometheusClient, labels: Mapping[str, str],
     recent = Observation(
         end_s=end_s, window_s=recent_s, num_requests=int(round(recent_arrived)),
         arrival_rate_rps=recent_arrived / recent_s, arrival_cv=dispersion_cv(counts),
-        prompt=recent_prompt, output=recent_output,
+        prompt=recent_prompt, output=recent_output, joint=joint_counts(got["recent_joint"]),
         ttft_attainment=_ratio(recent_met.get("ttft"), recent_finished),
         tpot_attainment=_ratio(recent_met.get("tpot"), recent_finished),
         attainment=_ratio(recent_met.get("both"), recent_finished),
@@ -177,7 +202,7 @@ async def observe(client: PrometheusClient, labels: Mapping[str, str],
         num_requests=int(round(arrived)),
         arrival_rate_rps=arrived / window_s,
         arrival_cv=dispersion_cv(counts),
-        prompt=prompt, output=output,
+        prompt=prompt, output=output, joint=joint_counts(got["joint"]),
         ttft_attainment=_ratio(met.get("ttft"), finished),
         tpot_attainment=_ratio(met.get("tpot"), finished),
         attainment=_ratio(met.get("both"), finished),

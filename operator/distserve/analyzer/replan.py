@@ -4,10 +4,11 @@ A replan asks three questions of one window, all answered by the same simulator 
 made the plan: how would the current plan do on this traffic (`predict`), how far off
 is the latency model, per phase (`fit_correction`), and what would the search choose
 (`search`) or what would more or fewer copies of the current shape do (`scale`).
-The observed workload is the window's fitted length distributions resampled (prompt
-and output drawn independently: a histogram does not say which prompt had which
-output; only pairs that would overflow the context are re-paired) with gamma arrivals
-at the window's burstiness.
+The observed workload is the window's fitted length distributions resampled, paired as
+the joint histogram of the window pairs them (each request's prompt class and output
+bucket drawn from its counts, then its prompt and output from the fits within those
+bounds; without the joint histogram, drawn independently), with gamma arrivals at the
+window's burstiness. Pairs that would overflow the context are re-paired.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from distserve.analyzer.observation import Observation
+from distserve.analyzer.observation import JointLengths, LengthFit, Observation
 from distserve.analyzer.scaling import (
     copies_in_place,
     copy_unit,
@@ -68,12 +69,53 @@ def observed_workload(
     if observation.prompt is None or observation.output is None:
         raise ValueError("the observation has no length distributions to resample")
     rng = np.random.default_rng(seed)
-    prompts = observation.prompt.sample(num_samples, rng, max_context_tokens - 1)
-    outputs = observation.output.sample(num_samples, rng, max_context_tokens - 1)
-    outputs = _paired_inside(prompts, outputs, max_context_tokens, rng)
+    joint = observation.joint
+    if joint is not None and joint.total > 0:
+        prompts, outputs, rows = _joint_sample(
+            observation.prompt, observation.output, joint, num_samples, rng,
+            max_context_tokens - 1)
+        # NOTE: re-paired within each prompt class, so that the outputs stay with the
+        # prompts the joint histogram gave them to
+        for row in np.unique(rows):
+            mine = rows == row
+            outputs[mine] = _paired_inside(prompts[mine], outputs[mine], max_context_tokens, rng)
+    else:
+        prompts = observation.prompt.sample(num_samples, rng, max_context_tokens - 1)
+        outputs = observation.output.sample(num_samples, rng, max_context_tokens - 1)
+        outputs = _paired_inside(prompts, outputs, max_context_tokens, rng)
     cv = observation.arrival_cv or 1.0
     arrival = "poisson" if abs(cv - 1.0) < 0.05 else "gamma"
     return Workload(LengthSample("observed", prompts, outputs), arrival, cv)
+
+
+def _joint_sample(
+    prompt: LengthFit, output: LengthFit, joint: JointLengths, num: int,
+    rng: np.random.Generator, max_tokens: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`num` (prompt, output) pairs and their prompt classes: a cell of the joint histogram
+    drawn by its count, then each length from its fit within the cell's bounds (the fits
+    keep the fine shape the coarse cells lose)."""
+    counts = np.asarray(joint.counts, dtype=float)
+    cells = rng.choice(counts.size, num, p=(counts / counts.sum()).ravel())
+    rows, columns = np.unravel_index(cells, counts.shape)
+    return (_within(prompt, joint.prompt_upper_tokens, rows, rng, max_tokens),
+            _within(output, joint.output_upper_tokens, columns, rng, max_tokens), rows)
+
+
+def _within(fit: LengthFit, upper: tuple[float, ...], classes: np.ndarray,
+            rng: np.random.Generator, max_tokens: int) -> np.ndarray:
+    """One length per entry of `classes` from the fit, within that class's bounds
+    (lower, upper] (inverse CDF between the bounds; evenly where the fit has no mass)."""
+    bounds = np.minimum(np.concatenate([[0.0], np.asarray(upper, dtype=float)]), max_tokens)
+    lo, hi = bounds[classes], np.maximum(bounds[classes + 1], bounds[classes] + 1)
+    dist = fit.distribution()
+    # NOTE: a draw rounds to its integer, so (lo, hi] is [lo + 0.5, hi + 0.5) before rounding
+    f_lo, f_hi = dist.cdf(lo + 0.5), dist.cdf(hi + 0.5)
+    inside = f_hi - f_lo > 1e-9
+    values = rng.uniform(lo + 0.5, hi + 0.5)
+    u = f_lo + rng.random(len(classes)) * (f_hi - f_lo)
+    values[inside] = dist.ppf(u[inside])
+    return np.minimum(np.clip(np.rint(values), lo + 1, hi), max_tokens).astype(np.int64)
 
 
 def _paired_inside(prompts: np.ndarray, outputs: np.ndarray, max_context_tokens: int,
@@ -124,7 +166,7 @@ class SearchEvaluator:
     def context(self, observation: Observation, correction: Correction) -> SearchContext:
         """The search context of this window and correction (kept for the next question)."""
         key = (observation.end_s, observation.window_s, observation.num_requests,
-               observation.prompt, observation.output, correction)
+               observation.prompt, observation.output, observation.joint, correction)
         if key not in self._contexts:
             if len(self._contexts) > 8:
                 self._contexts.clear()
