@@ -13,9 +13,10 @@ once per interval and pass back the `DecisionState` it returns. In order:
    weight loading ahead) at the sized rate: the forecast rate where the rate moves
    significantly (up or down), else the window's rate or, when higher, the recent
    one, times `headroom`; a trigger is a predicted or observed miss of the
-   attainment target, or a shift of rate or length mix against the window the plan was
+   attainment target, a shift of rate or length mix against the window the plan was
    last checked for (a predicted miss counts only when the model also reproduces the
-   observed attainment);
+   observed attainment), or, without either, `cooldownSeconds` since that check (a
+   periodic check, which only a cheaper plan answers);
 4. hysteresis, as autoscalers scale up at once and down slowly: a shift must persist
    for `holdSeconds` and waits out `cooldownSeconds` after the last reshuffle began; a
    miss waits for neither (requests are failing now); a window that holds a reshuffle
@@ -260,21 +261,28 @@ def decide(
         at_observed = evaluator.predict(plan, seen, seen.arrival_rate_rps, state.correction)
         if at_observed.attainment < evaluator.attainment_target:
             miss = None
-    if miss is None and not verdict.is_shifted:
+    checked_s = now_s - reference.end_s
+    periodic = miss is None and not verdict.is_shifted
+    if periodic and checked_s < settings.cooldown_seconds:
         return _decision("keep", f"no shift ({verdict.describe()}) and the plan meets the "
                          f"target (predicted {predicted.attainment:.1%})", numbers,
                          replace(state, reference=reference, trigger_since_s=None),
                          observation, verdict=verdict)
-    since_s = now_s if state.trigger_since_s is None else state.trigger_since_s
-    state = replace(state, reference=reference, trigger_since_s=since_s)
+    # NOTE: a plan is checked against the window it was made or last checked for; one
+    # chosen while the mix moved (the ramp's forecast) or the rate peaked goes on being
+    # "no shift" from there, so a cooldown after its last check it is checked again:
+    # the periodic replanning of the design, which only a cheaper plan may answer
+    since_s = now_s if state.trigger_since_s is None or periodic else state.trigger_since_s
+    state = replace(state, reference=reference, trigger_since_s=None if periodic else since_s)
     numbers = replace(numbers, held_s=now_s - since_s)
-    trigger = miss or f"shift ({verdict.describe()})"
+    trigger = miss or (f"shift ({verdict.describe()})" if not periodic else
+                       f"a periodic check, {checked_s:.0f} s after the last")
     if state.last_reshuffle_s is not None and miss is None:
         left_s = state.last_reshuffle_s + settings.cooldown_seconds - now_s
         if left_s > 0:
             return _decision("keep", f"{trigger}, but in cooldown ({left_s:.0f} s left)",
                              numbers, state, observation, verdict=verdict)
-    if miss is None and now_s - since_s < settings.hold_seconds:
+    if miss is None and not periodic and now_s - since_s < settings.hold_seconds:
         return _decision("keep", f"{trigger}, seen for {now_s - since_s:.0f} s of the "
                          f"{settings.hold_seconds:.0f} s hold", numbers, state, observation,
                          verdict=verdict)
@@ -283,7 +291,7 @@ def decide(
     failing = observed is not None and observed < evaluator.attainment_target
     rising = traffic_ahead.is_rate_trend and traffic_ahead.rate_rps > observation.arrival_rate_rps
     return _choose(observation, ahead, plan, settings, state, evaluator, verdict, miss, numbers,
-                   present_rps, failing, rising)
+                   present_rps, failing, rising, trigger)
 
 
 def _shortfall_only(
@@ -305,7 +313,7 @@ def _choose(
     observation: Observation, ahead: Observation, plan: Plan, settings: ReplanningSpec,
     state: DecisionState, evaluator: PlanEvaluator, verdict: ShiftVerdict, miss: str | None,
     numbers: DecisionNumbers, present_rps: float | None = None, failing: bool = False,
-    rising: bool = False,
+    rising: bool = False, trigger: str | None = None,
 ) -> Decision:
     """Simulate the candidates on the workload ahead and move to the best, or keep (the
     trigger then resets). With `present_rps` (a shortfall only at the sized rate), only
@@ -356,7 +364,7 @@ def _choose(
             return _decision("keep", f"{miss}, and no plan within the budget does better",
                              numbers, settled, observation, verdict=verdict)
     else:
-        why = miss or f"shift ({verdict.describe()})"
+        why = miss or trigger or f"shift ({verdict.describe()})"
         return _decision("keep", f"{why}, but no other plan meets the target", numbers,
                          settled, observation, verdict=verdict)
     saved_gpus = plan.num_gpus - best.num_gpus
@@ -370,9 +378,9 @@ def _choose(
     if miss is None:
         worth = _worth_moving(numbers, settings, dark[id(best)], rising)
         if worth is not None:
-            return _decision("keep", f"shift ({verdict.describe()}) and the plan still meets "
-                             f"the target; {worth}", numbers, settled, observation,
-                             verdict=verdict)
+            return _decision("keep", f"{trigger or f'shift ({verdict.describe()})'} and the "
+                             f"plan still meets the target; {worth}", numbers, settled,
+                             observation, verdict=verdict)
         why = (f"a plan of {best.num_gpus} GPUs instead of {plan.num_gpus} meets the target "
                f"({numbers.gpu_gain:.0%} fewer; saves {numbers.saving_gpu_s:.0f} GPU-s over the "
                f"cooldown against {numbers.reshuffle_cost_gpu_s:.0f} GPU-s of weight loading)")
@@ -465,7 +473,8 @@ def _kind_reason(kind: ChangeKind, verdict: ShiftVerdict, current: Plan, new: Pl
     if kind == "replicas":
         why = "same length mix" if not verdict.is_mix_shifted else "the shape still fits"
         return f"Replicas only ({why}, rate {verdict.rate_change:+.0%}): {change}"
-    mix = ("the length mix shifted" if verdict.is_mix_shifted else "the rate moved")
+    mix = ("the length mix shifted" if verdict.is_mix_shifted else "the rate moved"
+           if verdict.is_shifted else "a periodic check")
     if kind == "ratio":
         return f"A new prefill:decode ratio ({mix}: {verdict.describe()}): {change}"
     return f"New parallelism ({mix}: {verdict.describe()}): {change}"
