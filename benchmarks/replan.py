@@ -36,17 +36,15 @@ from replan_traffic import APPS, Seen, Traffic, make_traffic, mix_at, observe
 
 from distserve.analyzer.decide import DecisionState, decide
 from distserve.analyzer.observe import RECENT_SHARE
-from distserve.analyzer.replan import SearchEvaluator
-from distserve.analyzer.scaling import plan_instances, ratio_text, reshuffle_steps
+from distserve.analyzer.replan import SearchEvaluator, serving_unit
+from distserve.analyzer.scaling import move_pieces, plan_instances, ratio_text, reshuffle_steps
 from distserve.analyzer.settings import ReplanningSpec
 from distserve.catalog import get_model
 from distserve.k8s.reshuffling import Instance
 from distserve.latency import Correction
-from distserve.plan import Plan, SegmentPlacement
+from distserve.plan import Plan
 from distserve.search import SearchOverrides, build_context, plan_deployment
-from distserve.search.candidates import Config
-from distserve.search.placement import pair_links
-from distserve.search.trials import Instances, simulate_unit
+from distserve.search.trials import simulate_unit
 from distserve.simulator import SLO, Trace
 from distserve.spec import parse_spec
 
@@ -227,29 +225,21 @@ def reshuffle_pieces(old: Plan, new: Plan, now_s: float, reload_s: float) -> tup
     move ends); see the module docstring."""
     nodes = [f"node-{i}" for i in range(NODES)]
     before, scheduled = reshuffle_steps(old, new, nodes, GPUS_PER_NODE)
-    after = plan_instances(new, "new")
-    up: dict[str, float] = {}  # new instance -> when it serves
-    down: dict[str, float] = {}  # old instance -> when its drain starts
     held = [(now_s, sum(gpus_of(i) for i in before))]  # (time, change of GPUs held)
     for step, started in scheduled:
-        t_s = now_s + started * reload_s
-        if step.action == "create":
-            up[step.instance.name] = t_s + reload_s
-            held.append((t_s, gpus_of(step.instance)))
-        elif step.action == "drain":
-            down[step.instance.name] = t_s
-        else:
-            held.append((t_s, -gpus_of(step.instance)))
-    moments = sorted({now_s, *up.values(), *down.values(), *(t for t, _ in held)})
+        if step.action in ("create", "delete"):
+            sign = 1 if step.action == "create" else -1
+            held.append((now_s + started * reload_s, sign * gpus_of(step.instance)))
+    serving = [(now_s + loading * reload_s, instances)
+               for loading, instances in move_pieces(old, new, nodes, GPUS_PER_NODE)]
     pieces = []
-    for moment in moments:
-        serving = tuple([i for i in before if down.get(i.name, math.inf) > moment]
-                        + [i for i in after if up.get(i.name, math.inf) <= moment])
+    for moment in sorted({t for t, _ in serving} | {t for t, _ in held}):
+        instances = [i for t, i in serving if t <= moment][-1]
         gpus = sum(change for t, change in held if t <= moment)
-        if not pieces or (serving, gpus) != (pieces[-1].instances, pieces[-1].gpus):
-            pieces.append(Piece(moment, serving, gpus))
+        if not pieces or (instances, gpus) != (pieces[-1].instances, pieces[-1].gpus):
+            pieces.append(Piece(moment, instances, gpus))
     # once the move ends, the new plan serves in its own instance order
-    return (*pieces[:-1], replace(pieces[-1], instances=tuple(after)))
+    return (*pieces[:-1], replace(pieces[-1], instances=tuple(plan_instances(new, "new"))))
 
 
 def simulate(
@@ -259,20 +249,10 @@ def simulate(
     has none)."""
     if len(index) == 0:
         return
-    prefill = [i for i in instances if i.role == "prefill"]
-    decode = [i for i in instances if i.role == "decode"]
-    if not prefill or not decode:
+    served = serving_unit(truth, instances)
+    if served is None:
         s.ttft_s[index], s.tpot_s[index] = math.inf, math.inf
         return
-    segments = tuple(
-        SegmentPlacement(i.role, number, stage, node, gpu_ids)
-        for group in (prefill, decode) for number, i in enumerate(group)
-        for stage, (node, gpu_ids) in enumerate(i.stages)
-    )
-    links = pair_links(segments, truth.intra_node_bytes_per_s, truth.inter_node_bytes_per_s)
-    served = Instances(tuple(Config(i.tp, i.pp) for i in prefill),
-                       tuple(Config(i.tp, i.pp) for i in decode),
-                       tuple(tuple(row) for row in links))
     trace = Trace(traffic.arrival_s[index] - start_s, traffic.prompt_tokens[index],
                   traffic.output_tokens[index])
     result = simulate_unit(truth, served, trace)

@@ -22,7 +22,7 @@ import numpy as np
 
 from distserve.analyzer.fit import fit_lengths
 from distserve.analyzer.observation import JointLengths, Observation
-from distserve.analyzer.observe import RECENT_SHARE
+from distserve.analyzer.observe import RECENT_SHARE, dispersion_cv
 from distserve.simulator import SLO
 from distserve.workload import load_lengths
 from distserve_engine.metrics import joint_buckets_tokens, length_buckets_tokens
@@ -123,7 +123,8 @@ def observe(
     span_s = end_s - start_s
     counts = np.histogram(traffic.arrival_s[index],
                           bins=np.arange(start_s, end_s + 1e-9, SUB_WINDOW_S))[0]
-    cv = math.sqrt(counts.var() / counts.mean()) if counts.mean() > 0 else None
+    cv = dispersion_cv(counts)
+    recent_counts = counts[len(counts) - int(round(span_s / RECENT_SHARE / SUB_WINDOW_S)):]
     fields = {}
     if served is not None and len(served.ttft_s):
         with np.errstate(invalid="ignore"):
@@ -139,12 +140,14 @@ def observe(
     return Observation(
         end_s=end_s, window_s=span_s, num_requests=len(index),
         arrival_rate_rps=len(index) / span_s, arrival_cv=cv,
+        arrival_counts=tuple(float(c) for c in counts), subwindow_s=SUB_WINDOW_S,
         prompt=fit_lengths(*histogram(traffic.prompt_tokens[index], max_model_len)),
         output=fit_lengths(*histogram(traffic.output_tokens[index], max_model_len)),
         joint=joint(traffic.prompt_tokens[index], traffic.output_tokens[index], max_model_len),
         recent=Observation(
             end_s=end_s, window_s=recent_s, num_requests=len(recent),
             arrival_rate_rps=len(recent) / recent_s, arrival_cv=cv,
+            arrival_counts=tuple(float(c) for c in recent_counts), subwindow_s=SUB_WINDOW_S,
             prompt=fit_lengths(*histogram(traffic.prompt_tokens[recent], max_model_len)),
             output=fit_lengths(*histogram(traffic.output_tokens[recent], max_model_len)),
             joint=joint(traffic.prompt_tokens[recent], traffic.output_tokens[recent],

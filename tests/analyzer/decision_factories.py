@@ -77,13 +77,14 @@ class FakeEvaluator:
 
     def __init__(self, per_gpu_rps: float = 0.5, fitted: Correction | None = None,
                  free: int | None = None, dark: tuple[str, ...] = (),
-                 loadings: int = 1) -> None:
+                 loadings: int = 1, on_the_way: float | None = None) -> None:
         self.per_gpu_rps = per_gpu_rps
         self.fitted = fitted
         self.free = free  # GPUs a plan leaves free (None: unknown)
         self.dark = dark  # phases a move to another shape leaves without a serving instance
         self.loadings = loadings  # weight loadings in a row a move to another shape runs
         self.searches = 0
+        self.on_the_way = on_the_way  # attainment while a move runs (None: nothing on the way)
 
     def best_shape(self, observation: Observation):
         if observation.prompt.mean_tokens > 1000:
@@ -98,6 +99,9 @@ class FakeEvaluator:
         capacity = self.capacity_rps(plan, observation)
         attainment = 0.95 if capacity >= rate_rps else 0.95 * capacity / rate_rps
         return Prediction(rate_rps, attainment, 1.0, 0.05)
+
+    def replay(self, plan, observation, correction) -> Prediction:
+        return self.predict(plan, observation, observation.arrival_rate_rps, correction)
 
     def fit_correction(self, plan, observation) -> Correction | None:
         return self.fitted
@@ -116,6 +120,9 @@ class FakeEvaluator:
 
     def dark_phases(self, current, new) -> tuple[str, ...]:
         return self.dark if change_kind(current, new) != "replicas" else ()
+
+    def move_attainment(self, current, new, observation, rate_rps, correction) -> float | None:
+        return self.on_the_way
 
     def free_gpus(self, plan) -> int | None:
         return self.free

@@ -297,9 +297,39 @@ def test_no_scale_down_while_the_rate_rises():
     assert rising.action == "keep"
     assert "the rate is rising (forecast 7.10 req/s against 4.00 in the window)" in rising.reason
     assert rising.numbers.new_gpus == 24
-    # the same window with no trend in it scales down
-    steady = decide(window, make_plan(copies=8), make_settings(holdSeconds=0), state, evaluator)
+    # the same window with no trend in it: the rate still doubled since the plan was
+    # checked (a climb too slow for one window's trend test), so no scale-down either
+    climbed = decide(window, make_plan(copies=8), make_settings(holdSeconds=0), state, evaluator)
+    assert climbed.action == "keep"
+    assert "the rate rose 100% since the plan was last checked" in climbed.reason
+    # checked at 6 req/s, it has fallen since: it scales down
+    fallen = DecisionState(reference=make_observation(900, 6.0, seed=1))
+    steady = decide(window, make_plan(copies=8), make_settings(holdSeconds=0), fallen, evaluator)
     assert steady.action == "replan" and steady.numbers.new_gpus < 64
+
+
+def test_a_move_that_would_miss_on_the_way_waits_unless_the_plan_misses_now():
+    # 4 req/s on 4 copies after 8 req/s: 2 copies would do, but the reshuffle drains
+    # before its new instances serve, and on the way it is predicted at 60%
+    state = DecisionState(reference=make_observation(900, 8.0, seed=1))
+    window = make_observation(1200, 4.0, seed=2)
+    shaky = decide(window, make_plan(copies=4), make_settings(holdSeconds=0), state,
+                   FakeEvaluator(on_the_way=0.6))
+    assert shaky.action == "keep"
+    assert "would miss the target on the way (60.0% at 4.00 req/s)" in shaky.reason
+    sound = decide(window, make_plan(copies=4), make_settings(holdSeconds=0), state,
+                   FakeEvaluator(on_the_way=0.93))
+    assert sound.action == "replan" and sound.plan.num_gpus == 16
+    # predicted to miss at 8 req/s (one copy holds 4): staying does worse (47.5%) than
+    # the way (60%), so the move is taken
+    rising = make_observation(1200, 8.0, seed=2)
+    ahead = decide(rising, make_plan(copies=1), make_settings(holdSeconds=0), state,
+                   FakeEvaluator(on_the_way=0.6))
+    assert ahead.action == "replan" and "predicted to reach" in ahead.reason
+    # seen to miss now: the move is taken, whatever it costs on the way
+    failing = decide(replace(window, attainment=0.5), make_plan(copies=1), make_settings(),
+                     state, FakeEvaluator(on_the_way=0.1))
+    assert failing.action == "replan"
 
 
 def test_a_cheaper_plan_under_the_minimum_gain_is_kept():

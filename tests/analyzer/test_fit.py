@@ -128,10 +128,12 @@ def test_a_histogram_fit_survives_the_decision_state_round_trip():
     fit = fit_lengths(upper, counts)
     observation = Observation(end_s=900.0, window_s=900.0, num_requests=int(counts.sum()),
                               arrival_rate_rps=counts.sum() / 900.0, arrival_cv=1.0,
-                              prompt=fit, output=fit, joint=make_joint(mixture(0.5), mixture(0.3)))
+                              prompt=fit, output=fit, joint=make_joint(mixture(0.5), mixture(0.3)),
+                              arrival_counts=(120.0, 131.0, 118.0), subwindow_s=30.0)
     state = DecisionState(reference=observation)
     restored = DecisionState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert restored.reference.prompt == fit
     assert restored.reference.joint == observation.joint
+    assert restored.reference.arrival_counts == observation.arrival_counts
     draws = [f.sample(1000, np.random.default_rng(7)) for f in (fit, restored.reference.prompt)]
     assert np.array_equal(*draws)

@@ -34,6 +34,23 @@ def test_dispersion_of_counts_gives_the_gaps_cv(cv):
     assert estimate == pytest.approx(cv, rel=0.15)
 
 
+@pytest.mark.parametrize("shape", ["climb", "burst"])
+def test_a_rate_that_moves_within_the_window_is_not_read_as_burstiness(shape):
+    # Poisson at every moment (CV 1): a climb from 2 to 6 req/s over the window, or a 2x
+    # burst of 4.5 minutes in it; 30 sub-windows of 30 s, as the analyzer reads 15 minutes
+    rng = np.random.default_rng(5)
+    t = np.arange(30) * 30.0
+    rate = 2.0 + 4.0 * t / 900.0 if shape == "climb" else np.where((t >= 300) & (t < 570), 8.0, 4.0)
+    estimates, plain = [], []
+    for _ in range(50):
+        counts = rng.poisson(rate * 30.0).astype(float)
+        estimates.append(dispersion_cv(counts))
+        plain.append(float(np.sqrt(counts.var(ddof=1) / counts.mean())))
+    print(f"{shape}: CV read {np.median(estimates):.2f} (p10-p90 {np.percentile(estimates, 10):.2f}-"
+          f"{np.percentile(estimates, 90):.2f}); plain variance {np.median(plain):.2f}")
+    assert 0.8 < np.median(estimates) < 1.3 and np.median(plain) > 2.5
+
+
 def test_dispersion_needs_a_few_subwindows_with_arrivals():
     assert dispersion_cv([3.0, 4.0]) is None
     assert dispersion_cv([0.0, 0.0, 0.0]) is None

@@ -12,6 +12,7 @@ from decision_factories import SHORT_SHAPE, make_observation, make_plan
 
 from distserve.analyzer.fit import fit_lengths
 from distserve.analyzer.observation import Observation
+from distserve.analyzer.observe import dispersion_cv
 from distserve.analyzer.replan import NUM_SAMPLES, Prediction, SearchEvaluator, observed_workload
 from distserve.analyzer.scaling import change_kind, copy_unit, place_copies, started_gpus
 from distserve.latency import Correction, corrected, get_latency_model
@@ -61,6 +62,43 @@ def test_the_fit_recovers_known_latency_factors():
     assert fitted.prefill_factor == pytest.approx(1.3, rel=0.08)
     assert fitted.decode_factor == pytest.approx(0.8, rel=0.08)
     assert evaluator.fit_correction(plan, window) is None  # no measured latencies
+
+
+def test_the_fit_replays_a_window_whose_rate_climbs_as_it_came():
+    # chatbot traffic climbing from 1 to 4 req/s over 15 minutes (Poisson at each moment),
+    # served with a true latency of the model x (1.3 prefill, 0.8 decode)
+    evaluator = make_evaluator()
+    plan = placed_plan(evaluator)
+    rng = np.random.default_rng(3)
+    counts = rng.poisson(np.linspace(1.0, 4.0, 30) * 30.0)
+    arrivals = np.sort(np.concatenate([(k + rng.random(c)) * 30.0 for k, c in enumerate(counts)]))
+    sample = load_lengths("chatbot")
+    pick = rng.integers(0, len(sample), len(arrivals))
+    prompts, outputs = sample.prompt_tokens[pick], sample.output_tokens[pick]
+    window = Observation(
+        end_s=900.0, window_s=900.0, num_requests=len(arrivals),
+        arrival_rate_rps=len(arrivals) / 900.0, arrival_cv=dispersion_cv(counts),
+        prompt=fit_lengths(*make_histogram(prompts)), output=fit_lengths(*make_histogram(outputs)),
+        joint=make_joint(prompts, outputs), arrival_counts=tuple(float(c) for c in counts),
+        subwindow_s=30.0)
+    truth = evaluator.context(window, Correction(1.3, 0.8))
+    served = simulate_unit(truth, evaluator.unit_of(truth, plan), Trace(arrivals, prompts, outputs))
+    measured = replace(window, ttft_p90_s=served.percentile_s("ttft", 90),
+                       tpot_p90_s=served.percentile_s("tpot", 90))
+    fitted = evaluator.fit_correction(plan, measured)
+    assert fitted.prefill_factor == pytest.approx(1.3, rel=0.08)
+    assert fitted.decode_factor == pytest.approx(0.8, rel=0.08)
+    # replayed at the window's mean rate instead, as arrivals of the counts' plain
+    # dispersion (the climb read as CV ~3.6), the queue it predicts is far longer
+    plain_cv = float(np.sqrt(counts.var(ddof=1) / counts.mean()))
+    flat = evaluator.predict(plan, replace(window, arrival_cv=plain_cv),
+                             window.arrival_rate_rps, Correction(1.3, 0.8))
+    replayed = evaluator.replay(plan, window, Correction(1.3, 0.8))
+    print(f"TTFT p90: served {measured.ttft_p90_s:.2f} s, replayed {replayed.ttft_p90_s:.2f} s, "
+          f"at the mean rate with CV {plain_cv:.1f} {flat.ttft_p90_s:.2f} s; the fit "
+          f"x{fitted.prefill_factor:.2f} prefill, x{fitted.decode_factor:.2f} decode")
+    assert replayed.ttft_p90_s == pytest.approx(measured.ttft_p90_s, rel=0.15)
+    assert flat.ttft_p90_s > 2 * measured.ttft_p90_s
 
 
 def test_the_observed_workload_stays_inside_the_context():

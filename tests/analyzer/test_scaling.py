@@ -11,6 +11,7 @@ from distserve.analyzer.scaling import (
     copy_unit,
     dark_phases,
     free_beside,
+    move_pieces,
     place_copies,
     placed_beside,
     plan_instances,
@@ -82,6 +83,22 @@ def test_a_move_on_a_full_cluster_counts_its_loadings_in_a_row():
     rounds = sum(1 for k, action in enumerate(actions)
                  if action == "create" and (k == 0 or actions[k - 1] != "create"))
     assert reshuffle_loadings(full, other, NODES, 8) == rounds > 1
+    # what serves on the way: all four old pairs, then fewer of them beside the new
+    # pairs that serve, then the new plan; each drained instance leaves at once, each
+    # new one serves a loading after it starts
+    pieces = move_pieces(full, other, NODES, 8)
+    assert [moment for moment, _ in pieces] == sorted({moment for moment, _ in pieces})
+    names = [{i.name for i in serving} for _, serving in pieces]
+    old_names = {i.name for i in plan_instances(full, "old")}
+    assert names[0] < old_names and len(names[0]) == 7  # the first drain, at once
+    assert names[-1] == {i.name for i in plan_instances(other, "new")}
+    assert all(len(n) == 7 for n in names[:-1])  # one instance short until the last serves
+    # beside the serving plan: the old pair serves until the new one does (its drains
+    # wait for that), so nothing is short on the way
+    together = move_pieces(current, beside, NODES, 8)
+    assert [{i.name for i in serving} for _, serving in together] == [
+        {i.name for i in plan_instances(current, "old")},
+        {i.name for i in plan_instances(beside, "new")}]
     # a plan no step order reaches: one loading per new instance
     elsewhere = replace(beside, segments=tuple(replace(s, node="node-9") for s in beside.segments))
     assert reshuffle_loadings(current, elsewhere, NODES, 8) == 2

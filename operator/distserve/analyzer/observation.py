@@ -77,7 +77,7 @@ class Observation:
     window_s: float
     num_requests: int  # arrivals in the window, refused ones included
     arrival_rate_rps: float
-    arrival_cv: float | None  # burstiness: the gaps' CV from sub-window counts (Var/mean of counts ~ CV^2)
+    arrival_cv: float | None  # burstiness: the gaps' CV from sub-window counts (`observe.dispersion_cv`)
     prompt: LengthFit | None
     output: LengthFit | None
     joint: JointLengths | None = None  # how prompts and outputs pair (None: not exported)
@@ -89,6 +89,10 @@ class Observation:
     num_refused: int = 0
     phases: dict[str, PhaseObservation] = field(default_factory=dict)  # "prefill", "decode"
     plan_id: str | None = None  # the plan the deployment served under (distserve_plan_info)
+    # arrivals per sub-window of `subwindow_s`, oldest first: the window as it came, for
+    # replaying it (`replan.SearchEvaluator.replay`); empty when not measured
+    arrival_counts: tuple[float, ...] = ()
+    subwindow_s: float | None = None
     # The window's last third (arrivals, lengths and attainment): where a rising rate or
     # a shift of the length mix under way is now; against the rest of the window, its
     # trend (`forecast.py`); after a reshuffle early in the window, the service now.

@@ -5,9 +5,11 @@ summed over the deployment's routers and instances that match the selector:
 - arrivals: the increase of `distserve_requests_arrived_total` over the window (refused
   requests included); the rate is that over `window_s`;
 - burstiness: the counter's raw values every `subwindow_s` give arrivals per
-  sub-window; for a renewal process the counts' index of dispersion (variance / mean)
-  tends to the squared coefficient of variation of the gaps, so `arrival_cv` is its
-  square root (1 for Poisson). A sub-window that spans a counter reset is left out.
+  sub-window (kept as `arrival_counts`: the window as it came); for a renewal process
+  the counts' index of dispersion (variance / mean) tends to the squared coefficient of
+  variation of the gaps, so `arrival_cv` is its square root (1 for Poisson), the
+  variance read from successive differences (`dispersion_cv`). A sub-window that spans
+  a counter reset is left out.
   Arrivals, the length histograms and the attainment over the window's last third make
   `recent`: where a rising rate or a shift of the length mix under way is now, which the
   window lags, and the service after a reshuffle early in the window;
@@ -31,6 +33,7 @@ import time
 from collections.abc import Mapping
 
 import numpy as np
+import scipy.stats
 
 from distserve.analyzer.fit import fit_lengths
 from distserve.analyzer.observation import (
@@ -46,6 +49,7 @@ RECENT_SHARE = 3  # `recent` is the window's last 1/RECENT_SHARE
 NUM_SUBWINDOWS = 30  # sub-windows of the burstiness estimate (at least MIN_SUBWINDOW_S each)
 MIN_SUBWINDOW_S = 2.0  # a sub-window spans at least a couple of scrapes
 MIN_SUBWINDOWS_FOR_CV = 3
+TRIM_SHARE = 0.1  # the largest successive differences the burstiness leaves out
 PHASE_ROLES = ("prefill", "decode", "colocated")
 
 
@@ -118,11 +122,23 @@ def joint_counts(samples: list[Sample]) -> JointLengths | None:
 
 
 def dispersion_cv(counts: list[float] | np.ndarray) -> float | None:
-    """sqrt(variance / mean) of arrivals per sub-window: the gaps' CV of a renewal process."""
+    """sqrt(variance / mean) of arrivals per sub-window: the gaps' CV of a renewal process.
+
+    The variance is half the mean square of successive differences, so that a rate moving
+    within the window (the morning's climb) is not read as burstiness: the plain variance
+    of the counts holds the rate's own spread too, and read a Poisson stream under a 2x
+    burst as CV 3-4. The largest `TRIM_SHARE` of the squared differences (a step of the
+    rate: a burst's start and end) are left out, and the rest scaled up as for normal
+    differences (for X ~ chi2(1), E[X; X < q] = P(chi2(3) < q))."""
     counts = np.asarray(counts, dtype=float)
     if len(counts) < MIN_SUBWINDOWS_FOR_CV or counts.mean() <= 0:
         return None
-    return float(math.sqrt(counts.var(ddof=1) / counts.mean()))
+    squares = np.sort(np.diff(counts) ** 2)
+    kept = len(squares) - int(TRIM_SHARE * len(squares))
+    share = kept / len(squares)
+    scale = 1.0 if kept == len(squares) else float(
+        scipy.stats.chi2(3).cdf(scipy.stats.chi2(1).ppf(share)) / share)
+    return float(math.sqrt(squares[:kept].mean() / 2.0 / scale / counts.mean()))
 
 
 def subwindow_counts(points: tuple[tuple[float, float], ...]) -> list[float]:
@@ -189,9 +205,11 @@ async def observe(client: PrometheusClient, labels: Mapping[str, str],
     recent_arrived = _one(got["recent_arrived"]) or 0.0
     recent_finished = _one(got["recent_finished"])
     recent_met = {s.labels.get("slo"): finite_or_none(s.value) for s in got["recent_slo_met"]}
+    recent_counts = counts[max(0, len(counts) - int(round(recent_s / sub_s))):]
     recent = Observation(
         end_s=end_s, window_s=recent_s, num_requests=int(round(recent_arrived)),
         arrival_rate_rps=recent_arrived / recent_s, arrival_cv=dispersion_cv(counts),
+        arrival_counts=tuple(recent_counts), subwindow_s=sub_s,
         prompt=recent_prompt, output=recent_output, joint=joint_counts(got["recent_joint"]),
         ttft_attainment=_ratio(recent_met.get("ttft"), recent_finished),
         tpot_attainment=_ratio(recent_met.get("tpot"), recent_finished),
@@ -201,7 +219,7 @@ async def observe(client: PrometheusClient, labels: Mapping[str, str],
         end_s=end_s, window_s=window_s,
         num_requests=int(round(arrived)),
         arrival_rate_rps=arrived / window_s,
-        arrival_cv=dispersion_cv(counts),
+        arrival_cv=dispersion_cv(counts), arrival_counts=tuple(counts), subwindow_s=sub_s,
         prompt=prompt, output=output, joint=joint_counts(got["joint"]),
         ttft_attainment=_ratio(met.get("ttft"), finished),
         tpot_attainment=_ratio(met.get("tpot"), finished),

@@ -23,17 +23,29 @@ from distserve.analyzer.scaling import (
     copies_in_place,
     copy_unit,
     dark_phases,
+    move_pieces,
     place_copies,
     placed_beside,
+    plan_instances,
     reshuffle_loadings,
 )
 from distserve.catalog import get_model
+from distserve.k8s.reshuffling import ReshuffleError
 from distserve.latency import Correction
-from distserve.plan import Plan
+from distserve.plan import Plan, SegmentPlacement
 from distserve.search import NoFeasiblePlan, SearchOverrides, build_context, plan_deployment
+from distserve.search.candidates import Config
 from distserve.search.placement import ClusterTooSmall, pair_links
 from distserve.search.replicas import whole_unit
-from distserve.search.trials import SearchContext, Unit, run_unit, unit_goodput
+from distserve.search.trials import (
+    Instances,
+    SearchContext,
+    Unit,
+    run_unit,
+    simulate_unit,
+    unit_goodput,
+)
+from distserve.simulator import Trace
 from distserve.spec import DistServeDeploymentSpec
 from distserve.workload import LengthSample, Workload
 
@@ -138,6 +150,24 @@ def _paired_inside(prompts: np.ndarray, outputs: np.ndarray, max_context_tokens:
     return np.maximum(1, np.minimum(outputs, max_context_tokens - prompts))
 
 
+def serving_unit(ctx: SearchContext, serving) -> Instances | None:
+    """These instances (`k8s.reshuffling.Instance`) as one simulated unit, links from where
+    their stages sit; None when a phase has none."""
+    prefill = [i for i in serving if i.role == "prefill"]
+    decode = [i for i in serving if i.role == "decode"]
+    if not prefill or not decode:
+        return None
+    segments = tuple(
+        SegmentPlacement(i.role, number, stage, node, gpu_ids)
+        for group in (prefill, decode) for number, i in enumerate(group)
+        for stage, (node, gpu_ids) in enumerate(i.stages)
+    )
+    links = pair_links(segments, ctx.intra_node_bytes_per_s, ctx.inter_node_bytes_per_s)
+    return Instances(tuple(Config(i.tp, i.pp) for i in prefill),
+                     tuple(Config(i.tp, i.pp) for i in decode),
+                     tuple(tuple(row) for row in links))
+
+
 class SearchEvaluator:
     """The planner's search and simulator applied to observations, for one spec."""
 
@@ -192,18 +222,37 @@ class SearchEvaluator:
             result.percentile_s("ttft", 90), result.percentile_s("tpot", 90),
         )
 
+    def replay(self, plan: Plan, observation: Observation, correction: Correction) -> Prediction:
+        """The plan simulated on the window as it came: its arrivals per sub-window (each
+        sub-window's spread evenly at random over it), lengths resampled from its fits;
+        without sub-window counts, `predict` at the window's rate."""
+        counts = np.rint(np.asarray(observation.arrival_counts, dtype=float)).astype(int)
+        if not observation.subwindow_s or counts.sum() <= 0:
+            return self.predict(plan, observation, observation.arrival_rate_rps, correction)
+        ctx = self.context(observation, correction)
+        rng = np.random.default_rng(self.spec.planner.seed)
+        sub_s = observation.subwindow_s
+        arrival_s = np.sort(np.concatenate(
+            [(k + rng.random(c)) * sub_s for k, c in enumerate(np.maximum(counts, 0))]))
+        picks = np.arange(len(arrival_s)) % ctx.trace.num_requests
+        trace = Trace(arrival_s, ctx.trace.prompt_tokens[picks], ctx.trace.output_tokens[picks])
+        result = simulate_unit(ctx, self.unit_of(ctx, plan), trace)
+        return Prediction(
+            observation.arrival_rate_rps, result.attainment(ctx.slo),
+            result.percentile_s("ttft", 90), result.percentile_s("tpot", 90),
+        )
+
     def fit_correction(self, plan: Plan, observation: Observation) -> Correction | None:
         """Per-phase factors under which the plan's simulated TTFT and TPOT p90 match the
-        observed ones at the observed rate; None without measured latencies."""
+        observed ones on the window as it came (`replay`); None without measured latencies."""
         if observation.ttft_p90_s is None or observation.tpot_p90_s is None:
             return None
-        rate = observation.arrival_rate_rps
         prefill = self._fit_factor(
-            lambda f: self.predict(plan, observation, rate, Correction(f, 1.0)).ttft_p90_s,
+            lambda f: self.replay(plan, observation, Correction(f, 1.0)).ttft_p90_s,
             observation.ttft_p90_s,
         )
         decode = self._fit_factor(
-            lambda f: self.predict(plan, observation, rate, Correction(prefill, f)).tpot_p90_s,
+            lambda f: self.replay(plan, observation, Correction(prefill, f)).tpot_p90_s,
             observation.tpot_p90_s,
         )
         return Correction.clamped(prefill, decode)
@@ -322,6 +371,27 @@ class SearchEvaluator:
         """The phases the reshuffle from current to new leaves without a serving instance
         for a weight loading (`scaling.dark_phases`, on this cluster's nodes)."""
         return dark_phases(current, new, self.node_names, self.gpus_per_node)
+
+    def move_attainment(self, current: Plan, new: Plan, observation: Observation,
+                        rate_rps: float, correction: Correction) -> float | None:
+        """The lowest attainment predicted while the reshuffle from current to new runs
+        (`scaling.move_pieces`: each set of instances serving on the way, on the observed
+        workload at rate_rps; 0 for one with a phase that has none); None when nothing
+        serves on the way but the two plans themselves."""
+        try:
+            pieces = move_pieces(current, new, self.node_names, self.gpus_per_node)
+        except ReshuffleError:
+            return 0.0
+        ctx = self.context(observation, correction)
+        lowest = None
+        everything_old = {i.name for i in plan_instances(current, "old")}
+        for _, serving in pieces[:-1]:
+            if {i.name for i in serving} == everything_old:
+                continue  # the current plan itself: what `predict` judged
+            unit = serving_unit(ctx, serving)
+            attainment = 0.0 if unit is None else run_unit(ctx, unit, rate_rps, None).attainment(ctx.slo)
+            lowest = attainment if lowest is None else min(lowest, attainment)
+        return lowest
 
     def reshuffle_loadings(self, current: Plan, new: Plan) -> int:
         """How many weight loadings the reshuffle from current to new runs one after

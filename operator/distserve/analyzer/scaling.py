@@ -10,7 +10,8 @@ so that the reshuffle starts them beside the instances that serve instead of dra
 those first; `dark_phases` says which phases the reshuffle (`k8s.reshuffling`, the
 operator's own step planner) would leave with no instance serving while a replacement
 loads its weights, and `reshuffle_loadings` how many loadings it runs one after another
-(both from `reshuffle_steps`, the steps with when each may begin).
+(both from `reshuffle_steps`, the steps with when each may begin); `move_pieces`
+what serves from one loading to the next while it runs.
 """
 
 from __future__ import annotations
@@ -186,6 +187,25 @@ def reshuffle_steps(current: Plan, new: Plan, node_names: list[str],
         if step.action == "create":
             ready = max(ready, started + 1)
     return old, scheduled
+
+
+def move_pieces(current: Plan, new: Plan, node_names: list[str],
+                gpus_per_node: int) -> list[tuple[int, tuple[Instance, ...]]]:
+    """What serves while the reshuffle from current to new runs: (from which weight loading
+    on, the instances serving then), in order; the old instances until drained, the new
+    ones from when their loading ends; the last piece is the new plan. ReshuffleError
+    when no step order reaches new."""
+    old, scheduled = reshuffle_steps(current, new, node_names, gpus_per_node)
+    up = {step.instance.name: started + 1 for step, started in scheduled if step.action == "create"}
+    down = {step.instance.name: started for step, started in scheduled if step.action == "drain"}
+    created = [step.instance for step, _ in scheduled if step.action == "create"]
+    pieces: list[tuple[int, tuple[Instance, ...]]] = []
+    for moment in sorted({0, *up.values(), *down.values()}):
+        serving = tuple([i for i in old if down.get(i.name, math.inf) > moment]
+                        + [i for i in created if up[i.name] <= moment])
+        if not pieces or serving != pieces[-1][1]:
+            pieces.append((moment, serving))
+    return pieces
 
 
 def dark_phases(current: Plan, new: Plan, node_names: list[str], gpus_per_node: int) -> tuple[str, ...]:
