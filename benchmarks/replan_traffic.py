@@ -10,7 +10,8 @@ sample of the application the mix draws.
 An observation is built as the analyzer builds one from Prometheus: arrivals counted,
 lengths only as the engine's histogram buckets (fitted by `analyzer.fit`) and its joint
 histogram (which prompt class had which output bucket), the
-burstiness from sub-window counts, the window's last third as `recent`, the latencies from what the deployment served.
+burstiness from sub-window counts, the window's last third as `recent` and the third
+before it as `previous`, the latencies from what the deployment served.
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def observe(
         )
     recent_s = span_s / RECENT_SHARE
     recent = traffic.between(end_s - recent_s, end_s)
+    previous = traffic.between(end_s - 2 * recent_s, end_s - recent_s)
     return Observation(
         end_s=end_s, window_s=span_s, num_requests=len(index),
         arrival_rate_rps=len(index) / span_s, arrival_cv=cv,
@@ -151,6 +153,14 @@ def observe(
             prompt=fit_lengths(*histogram(traffic.prompt_tokens[recent], max_model_len)),
             output=fit_lengths(*histogram(traffic.output_tokens[recent], max_model_len)),
             joint=joint(traffic.prompt_tokens[recent], traffic.output_tokens[recent],
+                        max_model_len),
+        ),
+        previous=Observation(
+            end_s=end_s - recent_s, window_s=recent_s, num_requests=len(previous),
+            arrival_rate_rps=len(previous) / recent_s, arrival_cv=None,
+            prompt=fit_lengths(*histogram(traffic.prompt_tokens[previous], max_model_len)),
+            output=fit_lengths(*histogram(traffic.output_tokens[previous], max_model_len)),
+            joint=joint(traffic.prompt_tokens[previous], traffic.output_tokens[previous],
                         max_model_len),
         ),
         **fields,

@@ -23,19 +23,22 @@ def lengths(dataset: str, num: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return sample.prompt_tokens[pick], sample.output_tokens[pick]
 
 
-def window(older: list[tuple[np.ndarray, np.ndarray]], recent: list[tuple[np.ndarray, np.ndarray]]
-           ) -> Observation:
-    """A window of these requests (prompt, output arrays per part), its last third `recent`."""
-    def observed(parts, window_s: float, inner: Observation | None = None) -> Observation:
+def window(older: list[tuple[np.ndarray, np.ndarray]], recent: list[tuple[np.ndarray, np.ndarray]],
+           previous: list[tuple[np.ndarray, np.ndarray]] | None = None) -> Observation:
+    """A window of these requests (prompt, output arrays per part), its last third
+    `recent`; with `previous`, the third before it (part of `older`)."""
+    def observed(parts, window_s: float, **inner: Observation) -> Observation:
         prompts = np.concatenate([p for p, _ in parts])
         outputs = np.concatenate([o for _, o in parts])
         return Observation(
             end_s=WINDOW_S, window_s=window_s, num_requests=len(prompts),
             arrival_rate_rps=len(prompts) / window_s, arrival_cv=1.0,
             prompt=length_fit(prompts), output=length_fit(outputs),
-            joint=make_joint(prompts, outputs), recent=inner)
+            joint=make_joint(prompts, outputs), **inner)
 
-    return observed([*older, *recent], WINDOW_S, observed(recent, RECENT_S))
+    before = observed(previous, RECENT_S) if previous else None
+    return observed([*older, *recent], WINDOW_S, recent=observed(recent, RECENT_S),
+                    previous=before)
 
 
 def test_a_steady_window_is_carried_as_it_is_now():
@@ -114,3 +117,25 @@ def test_a_small_bucket_both_workloads_hold_does_not_stop_the_carry():
     summaries = make_joint(*lengths("summarization", 4000, 4))
     assert np.allclose(counts[long_rows].sum(axis=0) / counts[long_rows].sum(),
                        np.asarray(summaries.counts)[long_rows].sum(axis=0) / 4000, atol=0.05)
+
+
+def test_a_shift_that_began_in_the_last_third_is_carried_at_its_own_pace():
+    # code for two thirds, then 30% summaries in the last: against the whole older part
+    # the trend is 30% per half window (1.4 of them ahead); against the third before
+    # the last (code), 30% per third (2.1 of them): the shift is carried further
+    older = [lengths("code", 1200, 1)]
+    before = [lengths("code", 1200, 2)]
+    recent = [lengths("code", 840, 3), lengths("summarization", 360, 4)]
+    diluted = forecast(window([*older, *before], recent), horizon_s=480)
+    paced = forecast(window([*older, *before], recent, previous=before), horizon_s=480)
+    assert diluted.is_mix_trend and paced.is_mix_trend
+    def share(forecast_ahead) -> float:  # of summaries (prompts over 1000 tokens) ahead
+        joint = forecast_ahead.workload.joint
+        counts = np.asarray(joint.counts)
+        return counts[np.asarray(joint.prompt_upper_tokens) > 1000].sum() / counts.sum()
+
+    assert share(diluted) == pytest.approx(0.3 + 1.4 * 0.3, abs=0.07)
+    assert share(paced) == pytest.approx(min(1.0, 0.3 + 2.1 * 0.3), abs=0.07)
+    # too few requests in the third before: the older part, as before
+    few = window([*older, *before], recent, previous=[lengths("code", 50, 2)])
+    assert forecast(few, horizon_s=480).workload.prompt == diluted.workload.prompt

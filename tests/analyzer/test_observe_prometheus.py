@@ -112,6 +112,13 @@ def test_rate_lengths_and_plan_match_what_was_sent(tiny_model, tmp_path):
     assert seen.plan_id == PLAN["id"] and seen.num_refused == 0
     assert seen.attainment is not None and 0.0 <= seen.attainment <= 1.0
     assert seen.recent.attainment is not None and 0.0 <= seen.recent.attainment <= 1.0
+    # the third before the last: the requests sent then
+    third_s = window_s / 3
+    sent_then = sum(1 for at_s, _, _ in load
+                    if end_s - 2 * third_s <= started_s + at_s < end_s - third_s)
+    print(f"previous third: sent {sent_then}, analyzer {seen.previous.num_requests}")
+    assert abs(seen.previous.num_requests - sent_then) <= max(5, 0.15 * sent_then)  # 14 s of scrapes
+    assert seen.previous.prompt is not None and seen.previous.joint is not None
     assert seen.ttft_p90_s is not None and seen.tpot_p90_s is not None
     assert {"prefill", "decode"} <= set(seen.phases)
     assert seen.phases["prefill"].queue_time_p90_s is not None

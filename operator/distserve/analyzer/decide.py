@@ -33,7 +33,10 @@ once per interval and pass back the `DecisionState` it returns. In order:
    moves to it; otherwise it must come while the rate is not rising (a significant
    trend in the window, or a rise since the plan was last checked), keep
    both phases serving, save `minGain` of the GPUs, and more GPU-seconds over the
-   cooldown than its weight loading costs. A
+   cooldown than its weight loading costs. Unless the plan is seen to miss now, a move
+   predicted to miss the target on the way (`move_attainment`: what serves between its
+   drains and its new instances' loadings) is not taken, or, when the plan is predicted
+   to miss too, only if staying does worse. A
    shortfall only at the sized rate (the plan is seen or predicted to meet the target
    at the present rate) moves only to a plan whose new instances start on free GPUs:
    draining instances that serve now would cause the miss it means to prevent.
@@ -212,7 +215,8 @@ def _observation_from_dict(data: Mapping[str, Any] | None) -> Observation | None
     return Observation(**{**data, "arrival_counts": tuple(data.get("arrival_counts") or ()),
                           "prompt": fit(data.get("prompt")),
                           "output": fit(data.get("output")), "joint": joint(data.get("joint")),
-                          "phases": phases, "recent": _observation_from_dict(data.get("recent"))})
+                          "phases": phases, "recent": _observation_from_dict(data.get("recent")),
+                          "previous": _observation_from_dict(data.get("previous"))})
 
 
 @dataclass(frozen=True)
@@ -332,7 +336,7 @@ def _choose(
     observation: Observation, ahead: Observation, plan: Plan, settings: ReplanningSpec,
     state: DecisionState, evaluator: PlanEvaluator, verdict: ShiftVerdict, miss: str | None,
     numbers: DecisionNumbers, present_rps: float | None = None, failing: bool = False,
-    rising: str | None = None, trigger: str | None = None,
+    rising: str | None = None, trigger: str = "",
 ) -> Decision:
     """Simulate the candidates on the workload ahead and move to the best, or keep (the
     trigger then resets). With `present_rps` (a shortfall only at the sized rate), only
@@ -387,7 +391,7 @@ def _choose(
         if candidates and not steady:
             lowest = min(weak[id(c)] for c, _ in candidates)
             return _decision(
-                "keep", f"{miss or trigger or 'shift'}, but every other plan's reshuffle would "
+                "keep", f"{trigger}, but every other plan's reshuffle would "
                 f"miss the target on the way ({lowest:.1%} at {way_rps:.2f} req/s), and the "
                 f"plan is not seen to miss now", numbers, settled, observation, verdict=verdict)
         candidates = steady
@@ -404,8 +408,7 @@ def _choose(
             return _decision("keep", f"{miss}, and no plan within the budget does better",
                              numbers, settled, observation, verdict=verdict)
     else:
-        why = miss or trigger or f"shift ({verdict.describe()})"
-        return _decision("keep", f"{why}, but no other plan meets the target", numbers,
+        return _decision("keep", f"{trigger}, but no other plan meets the target", numbers,
                          settled, observation, verdict=verdict)
     saved_gpus = plan.num_gpus - best.num_gpus
     numbers = replace(
@@ -418,9 +421,8 @@ def _choose(
     if miss is None:
         worth = _worth_moving(numbers, settings, dark[id(best)], rising)
         if worth is not None:
-            return _decision("keep", f"{trigger or f'shift ({verdict.describe()})'} and the "
-                             f"plan still meets the target; {worth}", numbers, settled,
-                             observation, verdict=verdict)
+            return _decision("keep", f"{trigger} and the plan still meets the target; {worth}",
+                             numbers, settled, observation, verdict=verdict)
         why = (f"a plan of {best.num_gpus} GPUs instead of {plan.num_gpus} meets the target "
                f"({numbers.gpu_gain:.0%} fewer; saves {numbers.saving_gpu_s:.0f} GPU-s over the "
                f"cooldown against {numbers.reshuffle_cost_gpu_s:.0f} GPU-s of weight loading)")

@@ -97,6 +97,9 @@ class Observation:
     # a shift of the length mix under way is now; against the rest of the window, its
     # trend (`forecast.py`); after a reshuffle early in the window, the service now.
     recent: Observation | None = None
+    # The third before `recent` (arrivals and lengths): against it, the pace of a mix
+    # shift that began within the window (`forecast.py`)
+    previous: Observation | None = None
 
     @property
     def recent_rate_rps(self) -> float | None:

@@ -12,7 +12,8 @@ summed over the deployment's routers and instances that match the selector:
   a counter reset is left out.
   Arrivals, the length histograms and the attainment over the window's last third make
   `recent`: where a rising rate or a shift of the length mix under way is now, which the
-  window lags, and the service after a reshuffle early in the window;
+  window lags, and the service after a reshuffle early in the window; arrivals and
+  lengths over the third before it make `previous` (the mix's latest trend);
 - lengths: the increase of each bucket of `vllm:request_prompt_tokens` and
   `vllm:request_generation_tokens`, fitted by `fit.py` (interval-censored maximum
   likelihood over a few `scipy.stats` families), and of
@@ -190,18 +191,28 @@ async def observe(client: PrometheusClient, labels: Mapping[str, str],
                                   "slo_met")}
     queries.update(recent_queries)
     names = list(queries)
+    previous_names = ("arrived", "prompt", "output", "joint")  # the third before `recent`
     answers = await asyncio.gather(
         *(client.aquery(queries[n], end_s) for n in names),
+        *(client.aquery(queries[f"recent_{n}"], end_s - recent_s) for n in previous_names),
         client.aquery_range(f"sum(distserve_requests_arrived_total{selector})",
                             end_s - window_s, end_s, sub_s))
-    got = dict(zip(names, answers[:-1], strict=True))
+    got = dict(zip(names, answers[:len(names)], strict=True))
+    got.update(zip((f"previous_{n}" for n in previous_names), answers[len(names):-1], strict=True))
     arrived = _one(got["arrived"]) or 0.0
     finished = _one(got["finished"])
     met = {s.labels.get("slo"): finite_or_none(s.value) for s in got["slo_met"]}
     counts = subwindow_counts(answers[-1][0].points) if answers[-1] else []
-    prompt, output, recent_prompt, recent_output = await asyncio.gather(*(
-        asyncio.to_thread(_fit, got[n])
-        for n in ("prompt", "output", "recent_prompt", "recent_output")))
+    prompt, output, recent_prompt, recent_output, previous_prompt, previous_output = (
+        await asyncio.gather(*(asyncio.to_thread(_fit, got[n]) for n in (
+            "prompt", "output", "recent_prompt", "recent_output", "previous_prompt",
+            "previous_output"))))
+    previous_arrived = _one(got["previous_arrived"]) or 0.0
+    previous = Observation(
+        end_s=end_s - recent_s, window_s=recent_s, num_requests=int(round(previous_arrived)),
+        arrival_rate_rps=previous_arrived / recent_s, arrival_cv=None,
+        prompt=previous_prompt, output=previous_output, joint=joint_counts(got["previous_joint"]),
+    )
     recent_arrived = _one(got["recent_arrived"]) or 0.0
     recent_finished = _one(got["recent_finished"])
     recent_met = {s.labels.get("slo"): finite_or_none(s.value) for s in got["recent_slo_met"]}
@@ -230,6 +241,7 @@ async def observe(client: PrometheusClient, labels: Mapping[str, str],
         phases=_phases(got["queue_p90"], got["kv_usage"]),
         plan_id=_plan_id(got["plan"]),
         recent=recent,
+        previous=previous,
     )
 
 

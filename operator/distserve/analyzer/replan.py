@@ -1,9 +1,11 @@
 """The search and the simulator run on what the analyzer observed, not on the spec's dataset.
 
-A replan asks three questions of one window, all answered by the same simulator that
-made the plan: how would the current plan do on this traffic (`predict`), how far off
-is the latency model, per phase (`fit_correction`), and what would the search choose
-(`search`) or what would more or fewer copies of the current shape do (`scale`).
+A replan asks these questions of one window, all answered by the same simulator that
+made the plan: how would the current plan do on this traffic (`predict`) and on the
+window as it came (`replay`: its arrivals per sub-window), how far off is the latency
+model, per phase (`fit_correction`, on the replay), what would the search choose
+(`search`) or what would more or fewer copies of the current shape do (`scale`), and
+how would what serves while a reshuffle runs do (`move_attainment`).
 The observed workload is the window's fitted length distributions resampled, paired as
 the joint histogram of the window pairs them (each request's prompt class and output
 bucket drawn from its counts, then its prompt and output from the fits within those
