@@ -64,6 +64,18 @@ def test_the_fit_recovers_known_latency_factors():
     assert evaluator.fit_correction(plan, window) is None  # no measured latencies
 
 
+def test_the_fit_takes_the_root_near_one_where_the_p90_dips():
+    # a simulated p90 that is above the served 0.66 s below x0.75 (faster prefill, more
+    # KV held waiting for decode), dips under it, and crosses it again at x0.985: a
+    # bisection of the whole bracket, starting at x1.0, runs down to x0.5
+    def p90(factor: float) -> float:
+        return 0.67 * factor + (0.3 if factor < 0.75 else 0.0)
+
+    assert SearchEvaluator._fit_factor(p90, 0.66) == pytest.approx(0.985, rel=0.02)
+    # served far off: the wide bracket still finds it
+    assert SearchEvaluator._fit_factor(lambda f: 0.5 * f, 0.8) == pytest.approx(1.6, rel=0.03)
+
+
 def test_the_fit_replays_a_window_whose_rate_climbs_as_it_came():
     # chatbot traffic climbing from 1 to 4 req/s over 15 minutes (Poisson at each moment),
     # served with a true latency of the model x (1.3 prefill, 0.8 decode)
