@@ -231,7 +231,7 @@ def reshuffle_pieces(old: Plan, new: Plan, now_s: float, reload_s: float) -> tup
             sign = 1 if step.action == "create" else -1
             held.append((now_s + started * reload_s, sign * gpus_of(step.instance)))
     serving = [(now_s + loading * reload_s, instances)
-               for loading, instances in move_pieces(old, new, nodes, GPUS_PER_NODE)]
+               for loading, instances in move_pieces(before, scheduled)]
     pieces = []
     for moment in sorted({t for t, _ in serving} | {t for t, _ in held}):
         instances = [i for t, i in serving if t <= moment][-1]

@@ -26,7 +26,7 @@ from distserve.analyzer.observation import JointLengths, Observation
 from distserve.analyzer.observe import RECENT_SHARE, dispersion_cv
 from distserve.simulator import SLO
 from distserve.workload import load_lengths
-from distserve_engine.metrics import joint_buckets_tokens, length_buckets_tokens
+from distserve_engine.metrics import length_buckets_tokens
 
 APPS = ("code", "chatbot", "summarization")
 # (share of the day, mix at that point) pairs; the mix is linear in between.
@@ -96,16 +96,6 @@ def histogram(lengths: np.ndarray, max_model_len: int) -> tuple[tuple[float, ...
     return upper, np.bincount(index, minlength=len(upper)).astype(float)
 
 
-def joint(prompts: np.ndarray, outputs: np.ndarray, max_model_len: int) -> JointLengths:
-    """The engine's joint histogram of these requests: per prompt class, per output bucket."""
-    upper = (*(float(b) for b in joint_buckets_tokens(max_model_len)), math.inf)
-    rows = np.searchsorted(np.asarray(upper[:-1]), prompts, side="left")
-    columns = np.searchsorted(np.asarray(upper[:-1]), outputs, side="left")
-    counts = np.zeros((len(upper), len(upper)))
-    np.add.at(counts, (rows, columns), 1.0)
-    return JointLengths(upper, upper, tuple(tuple(float(c) for c in row) for row in counts))
-
-
 @dataclass(frozen=True)
 class Seen:
     """What a deployment served in a window: per-request TTFT and TPOT (NaN: not served)."""
@@ -137,32 +127,25 @@ def observe(
             ttft_p90_s=_p90(served.ttft_s), tpot_p90_s=_p90(served.tpot_s),
         )
     recent_s = span_s / RECENT_SHARE
-    recent = traffic.between(end_s - recent_s, end_s)
-    previous = traffic.between(end_s - 2 * recent_s, end_s - recent_s)
-    return Observation(
-        end_s=end_s, window_s=span_s, num_requests=len(index),
-        arrival_rate_rps=len(index) / span_s, arrival_cv=cv,
-        arrival_counts=tuple(float(c) for c in counts), subwindow_s=SUB_WINDOW_S,
-        prompt=fit_lengths(*histogram(traffic.prompt_tokens[index], max_model_len)),
-        output=fit_lengths(*histogram(traffic.output_tokens[index], max_model_len)),
-        joint=joint(traffic.prompt_tokens[index], traffic.output_tokens[index], max_model_len),
-        recent=Observation(
-            end_s=end_s, window_s=recent_s, num_requests=len(recent),
-            arrival_rate_rps=len(recent) / recent_s, arrival_cv=cv,
-            arrival_counts=tuple(float(c) for c in recent_counts), subwindow_s=SUB_WINDOW_S,
-            prompt=fit_lengths(*histogram(traffic.prompt_tokens[recent], max_model_len)),
-            output=fit_lengths(*histogram(traffic.output_tokens[recent], max_model_len)),
-            joint=joint(traffic.prompt_tokens[recent], traffic.output_tokens[recent],
-                        max_model_len),
-        ),
-        previous=Observation(
-            end_s=end_s - recent_s, window_s=recent_s, num_requests=len(previous),
-            arrival_rate_rps=len(previous) / recent_s, arrival_cv=None,
-            prompt=fit_lengths(*histogram(traffic.prompt_tokens[previous], max_model_len)),
-            output=fit_lengths(*histogram(traffic.output_tokens[previous], max_model_len)),
-            joint=joint(traffic.prompt_tokens[previous], traffic.output_tokens[previous],
-                        max_model_len),
-        ),
+
+    def part(start_s: float, stop_s: float, **more) -> Observation:
+        """Arrivals and lengths of [start_s, stop_s), as Prometheus holds them."""
+        part_index = traffic.between(start_s, stop_s)
+        prompts, outputs = traffic.prompt_tokens[part_index], traffic.output_tokens[part_index]
+        return Observation(
+            end_s=stop_s, window_s=stop_s - start_s, num_requests=len(part_index),
+            arrival_rate_rps=len(part_index) / (stop_s - start_s),
+            prompt=fit_lengths(*histogram(prompts, max_model_len)),
+            output=fit_lengths(*histogram(outputs, max_model_len)),
+            joint=JointLengths.of_lengths(prompts, outputs, max_model_len), **more)
+
+    return part(
+        start_s, end_s, arrival_cv=cv, arrival_counts=tuple(float(c) for c in counts),
+        subwindow_s=SUB_WINDOW_S,
+        recent=part(end_s - recent_s, end_s, arrival_cv=cv,
+                    arrival_counts=tuple(float(c) for c in recent_counts),
+                    subwindow_s=SUB_WINDOW_S),
+        previous=part(end_s - 2 * recent_s, end_s - recent_s, arrival_cv=None),
         **fields,
     )
 

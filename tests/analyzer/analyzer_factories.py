@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from distserve.analyzer.observation import JointLengths
-from distserve_engine.metrics import joint_buckets_tokens, length_buckets_tokens
+from distserve_engine.metrics import length_buckets_tokens
 
 
 def bucket_bounds(max_model_len: int = 2048) -> tuple[float, ...]:
@@ -20,11 +20,7 @@ def make_histogram(lengths: np.ndarray, max_model_len: int = 2048) -> tuple[tupl
     return upper, np.bincount(index, minlength=len(upper)).astype(float)
 
 
+
 def make_joint(prompts: np.ndarray, outputs: np.ndarray, max_model_len: int = 2048) -> JointLengths:
     """The engine's joint histogram of these (prompt, output) pairs (prompt class x output bucket)."""
-    upper = (*(float(b) for b in joint_buckets_tokens(max_model_len)), float("inf"))
-    rows = np.searchsorted(np.asarray(upper[:-1]), prompts, side="left")
-    columns = np.searchsorted(np.asarray(upper[:-1]), outputs, side="left")
-    counts = np.zeros((len(upper), len(upper)))
-    np.add.at(counts, (rows, columns), 1.0)
-    return JointLengths(upper, upper, tuple(tuple(float(c) for c in row) for row in counts))
+    return JointLengths.of_lengths(prompts, outputs, max_model_len)

@@ -16,6 +16,7 @@ from distserve.analyzer.scaling import (
     placed_beside,
     plan_instances,
     reshuffle_loadings,
+    reshuffle_steps,
 )
 from distserve.k8s.reshuffling import plan_reshuffle
 from distserve.plan import PhaseConfig, Plan
@@ -86,7 +87,7 @@ def test_a_move_on_a_full_cluster_counts_its_loadings_in_a_row():
     # what serves on the way: all four old pairs, then fewer of them beside the new
     # pairs that serve, then the new plan; each drained instance leaves at once, each
     # new one serves a loading after it starts
-    pieces = move_pieces(full, other, NODES, 8)
+    pieces = move_pieces(*reshuffle_steps(full, other, NODES, 8))
     assert [moment for moment, _ in pieces] == sorted({moment for moment, _ in pieces})
     names = [{i.name for i in serving} for _, serving in pieces]
     old_names = {i.name for i in plan_instances(full, "old")}
@@ -95,7 +96,7 @@ def test_a_move_on_a_full_cluster_counts_its_loadings_in_a_row():
     assert all(len(n) == 7 for n in names[:-1])  # one instance short until the last serves
     # beside the serving plan: the old pair serves until the new one does (its drains
     # wait for that), so nothing is short on the way
-    together = move_pieces(current, beside, NODES, 8)
+    together = move_pieces(*reshuffle_steps(current, beside, NODES, 8))
     assert [{i.name for i in serving} for _, serving in together] == [
         {i.name for i in plan_instances(current, "old")},
         {i.name for i in plan_instances(beside, "new")}]

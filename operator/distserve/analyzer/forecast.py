@@ -82,17 +82,20 @@ def forecast(
             and recent.num_requests >= MIN_RECENT_REQUESTS):
         prompt, output, joint = recent.prompt, recent.output, recent.joint
         if is_shifted(observation, recent, TREND_THRESHOLDS).is_mix_shifted:
-            base, mix_steps = observation, steps
+            base, less_recent, mix_steps = observation, True, steps
             previous = observation.previous
             if (previous is not None and previous.prompt is not None
                     and previous.output is not None
                     and previous.num_requests >= MIN_RECENT_REQUESTS):
                 # the last two thirds: their midpoints a third apart
-                base = _joined(previous, recent)
+                base, less_recent = previous, False
                 mix_steps = steps * half_window_s / recent.window_s  # as far ahead
-            prompt = _carried(base.prompt, recent.prompt, mix_steps)
-            output = _carried(base.output, recent.output, mix_steps)
-            joint = _carried_joint(base.joint, recent.joint, mix_steps)
+            prompt = _carried(_older_counts(base.prompt, recent.prompt, less_recent),
+                              recent.prompt, mix_steps)
+            output = _carried(_older_counts(base.output, recent.output, less_recent),
+                              recent.output, mix_steps)
+            joint = _carried_joint(_older_counts(base.joint, recent.joint, less_recent),
+                                   recent.joint, mix_steps)
             is_mix_trend = True
         workload = replace(observation, prompt=prompt, output=output, joint=joint)
     return Forecast(rate_rps, workload, steps, is_rate_trend, is_mix_trend)
@@ -107,61 +110,47 @@ def _older_part(observation: Observation, recent: Observation) -> Observation:
                        arrival_cv=observation.arrival_cv, prompt=None, output=None)
 
 
-def _joined(previous: Observation, recent: Observation) -> Observation:
-    """The two parts' histograms added up (the base `_carried` takes the recent part from)."""
-    def added(a, b):
-        if a is None or b is None:
-            return None
-        return replace(b, bucket_counts=tuple(x + y for x, y in zip(
-            a.bucket_counts, b.bucket_counts, strict=True)))
-
-    joint = None
-    if previous.joint is not None and recent.joint is not None and (
-            np.shape(previous.joint.counts) == np.shape(recent.joint.counts)):
-        joint = replace(recent.joint, counts=tuple(
-            tuple(x + y for x, y in zip(a, b, strict=True))
-            for a, b in zip(previous.joint.counts, recent.joint.counts, strict=True)))
-    same = previous.prompt.bucket_upper_tokens == recent.prompt.bucket_upper_tokens and (
-        previous.output.bucket_upper_tokens == recent.output.bucket_upper_tokens)
-    return replace(recent, prompt=added(previous.prompt, recent.prompt) if same else None,
-                   output=added(previous.output, recent.output) if same else None, joint=joint)
+def _older_counts(base: LengthFit | JointLengths | None,
+                  recent: LengthFit | JointLengths | None, less_recent: bool) -> np.ndarray | None:
+    """The older part's counts of one histogram: `base`'s (the third before the recent
+    part), or with `less_recent` the window's less the recent part's; None when either
+    histogram is missing or their bounds differ."""
+    if base is None or recent is None or base.bounds != recent.bounds:
+        return None
+    older = np.asarray(base.cells, dtype=float)
+    if less_recent:
+        older = np.maximum(older - np.asarray(recent.cells, dtype=float), 0.0)
+    return older
 
 
-def _carried(window: LengthFit | None, recent: LengthFit, steps: float) -> LengthFit:
-    """The recent histogram's bucket shares carried `steps` half windows along their trend
-    from the older part's shares; the recent fit when the histograms do not line up."""
-    if window is None or window.bucket_upper_tokens != recent.bucket_upper_tokens:
+def _carried(older_counts: np.ndarray | None, recent: LengthFit, steps: float) -> LengthFit:
+    """The recent histogram's bucket shares carried `steps` along their trend from the
+    older part's shares; the recent fit when there is no older part to compare with."""
+    if older_counts is None:
         return recent
-    counts = _carried_counts(np.asarray(window.bucket_counts, dtype=float),
-                             np.asarray(recent.bucket_counts, dtype=float), steps)
+    counts = _carried_counts(older_counts, np.asarray(recent.bucket_counts, dtype=float), steps)
     if counts is None:
         return recent
     return fit_lengths(recent.bucket_upper_tokens, counts) or recent
 
 
-def _carried_joint(window: JointLengths | None, recent: JointLengths | None,
+def _carried_joint(older_counts: np.ndarray | None, recent: JointLengths | None,
                    steps: float) -> JointLengths | None:
     """The recent joint histogram's cells carried as `_carried` carries buckets."""
-    if recent is None or window is None or (
-        (window.prompt_upper_tokens, window.output_upper_tokens)
-        != (recent.prompt_upper_tokens, recent.output_upper_tokens)
-    ):
+    if recent is None or older_counts is None:
         return recent
     recent_counts = np.asarray(recent.counts, dtype=float)
-    counts = _carried_counts(np.asarray(window.counts, dtype=float).ravel(),
-                             recent_counts.ravel(), steps)
+    counts = _carried_counts(older_counts.ravel(), recent_counts.ravel(), steps)
     if counts is None:
         return recent
     return replace(recent, counts=tuple(tuple(float(c) for c in row)
                                         for row in counts.reshape(recent_counts.shape)))
 
 
-def _carried_counts(window_counts: np.ndarray, recent_counts: np.ndarray,
+def _carried_counts(older_counts: np.ndarray, recent_counts: np.ndarray,
                     steps: float) -> np.ndarray | None:
     """Counts with the recent part's total whose shares are the recent ones carried `steps`
-    along the trend from the older part's (the window less the recent part); None when a
-    part is empty."""
-    older_counts = np.maximum(window_counts - recent_counts, 0.0)
+    along the trend from the older part's; None when a part is empty."""
     if recent_counts.sum() <= 0 or older_counts.sum() <= 0:
         return None
     recent_share = recent_counts / recent_counts.sum()

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from distserve_engine.metrics import joint_buckets_tokens
+
 
 @dataclass(frozen=True)
 class LengthFit:
@@ -24,6 +26,16 @@ class LengthFit:
     p90_tokens: float
     bucket_upper_tokens: tuple[float, ...]  # the histogram's upper bounds (le), +Inf last
     bucket_counts: tuple[float, ...]  # requests per bucket in the window (not cumulative)
+
+    @property
+    def bounds(self) -> tuple[float, ...]:
+        """The histogram's bounds (two histograms with equal bounds add up bucket by bucket)."""
+        return self.bucket_upper_tokens
+
+    @property
+    def cells(self) -> tuple[float, ...]:
+        """The histogram's counts, in the order of `bounds`."""
+        return self.bucket_counts
 
     def distribution(self):
         """The fitted distribution as a frozen `scipy.stats` one (continuous: a draw rounds to
@@ -59,6 +71,27 @@ class JointLengths:
     @property
     def total(self) -> float:
         return float(np.sum(self.counts))
+
+    @property
+    def bounds(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The classes' and the buckets' bounds (as `LengthFit.bounds`)."""
+        return self.prompt_upper_tokens, self.output_upper_tokens
+
+    @property
+    def cells(self) -> tuple[tuple[float, ...], ...]:
+        """The counts, per prompt class and output bucket (as `LengthFit.cells`)."""
+        return self.counts
+
+    @classmethod
+    def of_lengths(cls, prompts: np.ndarray, outputs: np.ndarray,
+                   max_model_len: int) -> JointLengths:
+        """What the engine's joint histogram holds for these (prompt, output) pairs."""
+        upper = (*(float(b) for b in joint_buckets_tokens(max_model_len)), float("inf"))
+        rows = np.searchsorted(np.asarray(upper[:-1]), prompts, side="left")
+        columns = np.searchsorted(np.asarray(upper[:-1]), outputs, side="left")
+        counts = np.zeros((len(upper), len(upper)))
+        np.add.at(counts, (rows, columns), 1.0)
+        return cls(upper, upper, tuple(tuple(float(c) for c in row) for row in counts))
 
 
 @dataclass(frozen=True)

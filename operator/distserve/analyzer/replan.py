@@ -30,6 +30,7 @@ from distserve.analyzer.scaling import (
     placed_beside,
     plan_instances,
     reshuffle_loadings,
+    reshuffle_steps,
 )
 from distserve.catalog import get_model
 from distserve.k8s.reshuffling import ReshuffleError
@@ -393,7 +394,8 @@ class SearchEvaluator:
         workload at rate_rps; 0 for one with a phase that has none); None when nothing
         serves on the way but the two plans themselves."""
         try:
-            pieces = move_pieces(current, new, self.node_names, self.gpus_per_node)
+            pieces = move_pieces(*reshuffle_steps(current, new, self.node_names,
+                                                  self.gpus_per_node))
         except ReshuffleError:
             return 0.0
         ctx = self.context(observation, correction)

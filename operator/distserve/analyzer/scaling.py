@@ -189,13 +189,12 @@ def reshuffle_steps(current: Plan, new: Plan, node_names: list[str],
     return old, scheduled
 
 
-def move_pieces(current: Plan, new: Plan, node_names: list[str],
-                gpus_per_node: int) -> list[tuple[int, tuple[Instance, ...]]]:
-    """What serves while the reshuffle from current to new runs: (from which weight loading
-    on, the instances serving then), in order; the old instances until drained, the new
-    ones from when their loading ends; the last piece is the new plan. ReshuffleError
-    when no step order reaches new."""
-    old, scheduled = reshuffle_steps(current, new, node_names, gpus_per_node)
+def move_pieces(old: list[Instance], scheduled: list[tuple[Step, int]]
+                ) -> list[tuple[int, tuple[Instance, ...]]]:
+    """What serves while a reshuffle runs (`reshuffle_steps`: the old plan's instances and
+    the scheduled steps): (from which weight loading on, the instances serving then), in
+    order; the old instances until drained, the new ones from when their loading ends;
+    the last piece is the new plan."""
     up = {step.instance.name: started + 1 for step, started in scheduled if step.action == "create"}
     down = {step.instance.name: started for step, started in scheduled if step.action == "drain"}
     created = [step.instance for step, _ in scheduled if step.action == "create"]
