@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from distserve_engine.metrics import joint_buckets_tokens
-
 
 @dataclass(frozen=True)
 class LengthFit:
@@ -86,6 +84,10 @@ class JointLengths:
     def of_lengths(cls, prompts: np.ndarray, outputs: np.ndarray,
                    max_model_len: int) -> JointLengths:
         """What the engine's joint histogram holds for these (prompt, output) pairs."""
+        # NOTE: imported here: the engine's metrics module pulls in torch, which the
+        # operator (that imports this module) must not need
+        from distserve_engine.metrics import joint_buckets_tokens
+
         upper = (*(float(b) for b in joint_buckets_tokens(max_model_len)), float("inf"))
         rows = np.searchsorted(np.asarray(upper[:-1]), prompts, side="left")
         columns = np.searchsorted(np.asarray(upper[:-1]), outputs, side="left")
