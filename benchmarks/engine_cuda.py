@@ -74,7 +74,7 @@ def main() -> None:
         model=str(smollm2_folder()), device="cuda", dtype=args.dtype, block_size=args.block_size,
         max_model_len=2048, max_num_seqs=max(args.batches), kv_cache_bytes=8 << 30,
     ))
-    weight_bytes = sum(p.nbytes for p in runner.model.parameters())
+    weight_bytes = runner.model.weight_bytes_read()
     bound = copy_bandwidth() / weight_bytes
     path = "flash paged" if flash_paged.is_supported("cuda", runner.dtype, args.block_size) \
         else "gather + SDPA"

@@ -41,18 +41,6 @@ def copy_bandwidth_bytes_per_s(num_bytes: int = 256 << 20) -> float:
     return 2 * num_bytes / best_seconds(lambda: dst.copy_(src))
 
 
-def weight_bytes(runner) -> int:
-    """Bytes of parameters read per step: all of them, except an untied input embedding
-    (only the batch's rows are read); a tied one is the LM head and is read in full."""
-    model = runner.model
-    total = sum(p.nbytes for p in model.parameters())  # shared tensors counted once
-    total += sum(m.weight_t.nbytes for m in model.modules() if hasattr(m, "weight_t"))
-    embedding = getattr(model, "embed_tokens", None)
-    if embedding is not None and not model.is_head_shared:
-        total -= embedding.weight.nbytes
-    return total
-
-
 def decode_step_s(runner, batch: int, context_len: int) -> float:
     """Fastest decode step for `batch` sequences at about `context_len` tokens of context."""
     params = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
@@ -101,7 +89,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     runner = engine_runner(args.dtype)
     bandwidth = copy_bandwidth_bytes_per_s()
-    w_bytes = weight_bytes(runner)
+    w_bytes = runner.model.weight_bytes_read()
     print(f"# SmolLM2-135M {args.dtype} CPU, torch threads={args.threads}, "
           f"loadavg={os.getloadavg()[0]:.1f}, copy bandwidth={bandwidth / GB:.1f} GB/s "
           f"(read+write), weights={w_bytes / 1e6:.0f} MB, KV={runner.kv_bytes_per_token} B/token")

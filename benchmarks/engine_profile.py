@@ -26,7 +26,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from distserve_engine.sampling import SamplingParams
 from distserve_engine.sequence import Sequence
 
-GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul"}
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul",
+            "mkldnn::_linear_pointwise"}
 # (module, attribute, label): engine functions whose operators are bucketed by label.
 LABELLED = [
     ("distserve_engine.attention", "build_metadata", "metadata"),

@@ -27,6 +27,11 @@ import time
 import torch
 from smollm2 import engine_runner, hf_model, random_prompts
 
+from distserve_engine.models.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    linear,
+)
 from distserve_engine.sampling import SamplingParams
 from distserve_engine.sequence import Sequence
 
@@ -74,22 +79,23 @@ def hf_rates(model, prompts: list[list[int]], steps: int) -> tuple[float, float]
     return ids.numel() / (clock.times[0] - start), len(prompts) * (len(clock.times) - 1) / decode_s
 
 
-def linear_weights(runner) -> list[torch.Tensor]:
-    """Every layer weight a step multiplies by (the LM head aside), in the layout the
-    engine multiplies it in."""
+def layer_linears(runner) -> list[torch.nn.Module]:
+    """Every linear a step multiplies by (the LM head aside), holding its weight in the
+    layout the engine multiplies it in."""
     head = runner.model.lm_head
-    return [m.weight_t for m in runner.model.modules()
-            if m is not head and getattr(m, "weight_t", None) is not None]  # (in, out)
+    return [m for m in runner.model.modules()
+            if m is not head and isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
 
 
-def gemm_rate(weights: list[torch.Tensor], head: torch.nn.Module, rows: int, head_rows: int) -> float:
+def gemm_rate(linears: list[torch.nn.Module], head: torch.nn.Module, rows: int,
+              head_rows: int, dtype: torch.dtype) -> float:
     """Tokens/s of a step that only ran its GEMMs: `rows` through every layer's
-    weights and `head_rows` through the LM head, as the engine runs it."""
-    inputs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=w.dtype) for w in weights}
-    head_input = torch.randn(head_rows, weights[0].shape[0], dtype=weights[0].dtype)
+    weights and `head_rows` through the LM head, as the engine runs them."""
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
+    head_input = torch.randn(head_rows, head.in_features, dtype=dtype)
     start = time.perf_counter()
-    for weight in weights:
-        torch.mm(inputs[weight.shape[0]], weight)
+    for module in linears:
+        linear(inputs[module.in_features], module)
     head(head_input)
     return rows / (time.perf_counter() - start)
 
@@ -121,11 +127,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     runner = engine_runner(args.dtype)
     model = hf_model(runner, runner.dtype)
-    weights = linear_weights(runner)
-    head_t = getattr(runner.model.lm_head, "weight_t", None)  # an untied head's (in, out) copy
-    unique = {t.data_ptr(): t for t in [*runner.model.parameters(), *weights,
-                                        *([head_t] if head_t is not None else [])]}
-    weight_bytes = sum(t.nbytes for t in unique.values())
+    linears = layer_linears(runner)
+    weight_bytes = runner.model.weight_bytes_read()
     print(f"# SmolLM2-135M {args.dtype} CPU, torch threads={args.threads}, prompt_len="
           f"{args.prompt_len}, decode steps={args.steps}, weights {weight_bytes / 2**20:.0f} MiB, "
           f"{load()}")
@@ -142,8 +145,9 @@ def main() -> None:
                 e_prefill, e_decode = engine_rates(runner, prompts, args.steps)
                 h_prefill, h_decode = hf_rates(model, prompts, args.steps)
             head = runner.model.lm_head
-            g_prefill, g_decode = (gemm_rate(weights, head, batch * args.prompt_len, batch),
-                                   gemm_rate(weights, head, batch, batch))
+            g_prefill, g_decode = (
+                gemm_rate(linears, head, batch * args.prompt_len, batch, runner.dtype),
+                gemm_rate(linears, head, batch, batch, runner.dtype))
             mem = copy_bandwidth() / weight_bytes
             rounds.append(((e_decode, h_decode, g_decode, mem), (e_prefill, h_prefill, g_prefill)))
         for kind, index in (("decode", 0), ("prefill", 1)):

@@ -20,6 +20,7 @@ from distserve_engine.models.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     block_head_for_cpu,
+    stored_weight,
     transpose_for_cpu,
 )
 from distserve_engine.parallel import ParallelState, tp_all_gather_last
@@ -121,6 +122,19 @@ class CausalLM(nn.Module):
                 is_linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
                 if is_linear and not (module is self.lm_head and self.is_head_shared):
                     transpose_for_cpu(module)
+
+    def weight_bytes_read(self) -> int:
+        """Bytes of weights a one-token step reads: each linear's stored copy, the norms,
+        and not an untied input embedding (only the batch's rows of it are read)."""
+        total = sum(p.nbytes for p in self.parameters())  # a shared tensor counted once
+        for module in self.modules():
+            is_linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+            if is_linear and getattr(module, "weight", None) is None:  # replaced by a copy
+                total += stored_weight(module).nbytes
+        embedding = getattr(self, "embed_tokens", None)
+        if embedding is not None and not self.is_head_shared:
+            total -= embedding.weight.nbytes
+        return total
 
     def normalize_name(self, name: str) -> str:
         """Map variant spellings of a checkpoint name to the one weight_loaders uses."""
