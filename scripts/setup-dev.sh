@@ -11,8 +11,9 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 VENV=.venv
 # Debian packages the tests use: Prometheus (a real server the analyzer tests scrape, and
-# promtool for the rule checks).
-DEBIAN_PACKAGES=(prometheus)
+# promtool for the rule checks), and a C compiler, which builds the CPU engine's decode
+# attention kernel on first use (without one the engine runs a slower torch path).
+DEBIAN_PACKAGES=(prometheus gcc libc6-dev)
 
 say() { printf 'setup-dev: %s\n' "$*"; }
 die() { printf 'setup-dev: error: %s\n' "$*" >&2; exit 1; }

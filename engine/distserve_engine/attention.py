@@ -7,9 +7,12 @@ and attends by one of these paths, chosen by what the batch is:
 - a prefill whose context is only its own new tokens: SDPA over the new K/V, causal and
   without a mask (a right-padded query only reaches keys at or before it, so padding
   never reaches a real query), and with no padding copy when the lengths are equal;
-- a decode step on the CPU: each sequence's context is gathered block by block into
-  two buffers every layer reuses, then one batched matmul per KV head scores it (grouped
-  query heads share their KV head, nothing is repeated);
+- a decode step on the CPU in float32: a C kernel (`native.py`) reads each sequence's
+  keys and values in place through the block table, nothing is gathered;
+- a decode step on the CPU otherwise (other dtypes, no C compiler): each sequence's
+  context is gathered block by block into two buffers every layer reuses, then one
+  batched matmul per KV head scores it (grouped query heads share their KV head, nothing
+  is repeated);
 - a decode step on CUDA with FlashAttention installed: its kernel reads the cache
   through the block table (`flash_paged.py`), nothing is gathered;
 - anything else (a cached prefix, CUDA without FlashAttention): gather, then SDPA with a
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from distserve_engine import flash_paged
+from distserve_engine import flash_paged, native
 
 
 @dataclass
@@ -115,6 +118,10 @@ def paged_attention(
     if meta.is_context_new:
         return _attend_new(q, k, v, meta, scale)
     if meta.num_queries == 1 and not q.is_cuda:
+        is_native = q.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+        kernel = native.paged_decode() if is_native else None
+        if kernel is not None:
+            return _decode_native(kernel, q, k_cache, v_cache, meta, scale)
         return _decode_cpu(q, k_cache, v_cache, meta, scale)
     if meta.num_queries == 1 and flash_paged.can_use(q, k_cache):
         return flash_paged.decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
@@ -171,6 +178,22 @@ def _attend_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     keys, values = gather_context(k_cache, v_cache, meta)  # (B, K, Hkv, D) each
     out = _sdpa(_padded(q, meta), keys, values, meta.attn_mask, scale)
     return _unpadded(out, meta)
+
+
+def _decode_native(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One new token per sequence, float32, by the C kernel over the paged cache."""
+    batch, num_heads, head_dim = q.shape
+    q = q.contiguous()  # q is a view of the fused qkv projection
+    tables = meta.block_tables.to(torch.int64).contiguous()  # no copy when already so
+    lens = meta.context_lens.to(torch.int64).contiguous()
+    out = q.new_empty(batch, num_heads * head_dim)
+    status = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                    lens.data_ptr(), batch, tables.shape[1], k_cache.shape[1], num_heads,
+                    k_cache.shape[2], head_dim, scale, out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"paged decode attention: no scratch memory for {batch} sequences")
+    return out
 
 
 def _decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

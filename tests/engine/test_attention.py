@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import shutil
+
 import pytest
 import torch
 
-from distserve_engine import flash_paged
+from distserve_engine import flash_paged, native
 from distserve_engine.attention import build_metadata, paged_attention
 from distserve_engine.models.layers import RotaryEmbedding
 
@@ -47,8 +50,19 @@ def make_batch(starts: list[int], num_new: list[int], seed: int = 0):
     return q, k, v, k_cache, v_cache, meta, full
 
 
+@pytest.fixture(params=["C kernel", "torch"])
+def cpu_decode(request, monkeypatch):
+    """Run the test once with the CPU decode step on the C kernel, once on torch's path."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "paged_decode", lambda: None)
+    elif native.paged_decode() is None:
+        pytest.skip("no C compiler here: the CPU decode kernel cannot be built")
+    return request.param
+
+
+@pytest.mark.usefixtures("cpu_decode")
 @pytest.mark.parametrize(("starts", "num_new"), [
-    ([5, 0, 17, 2], [1, 1, 1, 1]),  # decode, contexts of different lengths (CPU matmul path)
+    ([5, 0, 17, 2], [1, 1, 1, 1]),  # decode, contexts of different lengths
     ([0, 0, 0], [6, 6, 6]),  # prefill, equal prompts (views, no padding)
     ([0, 0, 0], [3, 9, 1]),  # prefill, unequal prompts (padded, causal without a mask)
     ([7, 0, 12], [3, 5, 1]),  # a cached prefix (gather and mask)
@@ -63,7 +77,51 @@ def test_paged_attention_matches_per_sequence_attention(starts, num_new):
         first += n
 
 
-def test_decode_reuses_the_steps_context_buffers_across_layers():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_c_kernel_decodes_long_scattered_contexts_as_per_sequence_attention(threads):
+    if native.paged_decode() is None:
+        pytest.skip("no C compiler here: the CPU decode kernel cannot be built")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        starts = [63, 0, 40, 7, 1, 22]  # 64 tokens: 16 blocks, each elsewhere in the cache
+        q, k, v, k_cache, v_cache, meta, full = make_batch(starts, [1] * len(starts), seed=3)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    finally:
+        torch.set_num_threads(previous)
+    assert not meta.buffers  # nothing gathered
+    for i, (start, kv) in enumerate(zip(starts, full, strict=True)):
+        torch.testing.assert_close(out[i:i + 1], reference(q[i:i + 1], kv[0], kv[1], start),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="no C compiler on this machine")
+def test_the_c_kernel_is_built_once_into_the_kernel_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTSERVE_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.paged_decode() is not None
+    built = list(tmp_path.glob("paged_decode-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    assert native.build() == built[0] and built[0].stat().st_mtime_ns == stamp  # not rebuilt
+
+
+def test_without_a_compiler_decode_falls_back_to_torch_and_says_why(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("DISTSERVE_KERNEL_DIR", str(tmp_path))  # nothing built there
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(native, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger="distserve_engine.native"):
+        q, k, v, k_cache, v_cache, meta, full = make_batch([5, 2], [1, 1], seed=2)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    assert "the C kernel is not available" in caplog.text and "no-such-cc" in caplog.text
+    assert meta.buffers  # the torch path gathered the context
+    torch.testing.assert_close(out[:1], reference(q[:1], full[0][0], full[0][1], 5),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_decode_reuses_the_steps_context_buffers_across_layers(monkeypatch):
+    monkeypatch.setattr(native, "paged_decode", lambda: None)  # the torch path
     q, k, v, k_cache, v_cache, meta, full = make_batch([9, 3], [1, 1], seed=1)
     first = paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
     buffers = dict(meta.buffers)
