@@ -34,6 +34,7 @@ LABELLED = [
     ("distserve_engine.attention", "gather_context", "context gather"),
     ("distserve_engine.attention", "write_kv", "kv write"),
     ("distserve_engine.attention", "paged_attention", "attention other"),
+    ("distserve_engine.attention", "_decode_native", "attention kernel"),
     ("distserve_engine.models.layers", "RotaryEmbedding.forward", "rotary"),
     ("distserve_engine.models.layers", "RotaryEmbedding.table", "rotary"),
     ("distserve_engine.models.layers", "RotaryEmbedding.rotate_", "rotary"),

@@ -119,9 +119,9 @@ class CausalLM(nn.Module):
             if self.lm_head is not None:
                 block_head_for_cpu(self.lm_head)
             for module in self.modules():
-                is_linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
-                if is_linear and not (module is self.lm_head and self.is_head_shared):
-                    transpose_for_cpu(module)
+                if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                    is_tied = module is self.lm_head and self.is_head_shared
+                    transpose_for_cpu(module, keep_weight=is_tied)  # the embedding's rows
 
     def weight_bytes_read(self) -> int:
         """Bytes of weights a one-token step reads: each linear's stored copy, the norms,
