@@ -1,15 +1,19 @@
-"""C kernels of the CPU engine, built with the machine's C compiler on first use.
+"""C kernels of the CPU engine (`cpu_kernels.c`), built with the machine's C compiler on
+first use.
 
-`paged_decode.c` is the decode step's attention over the paged cache: each query head
-reads its sequence's keys and values in place through the block table. The torch path
-it replaces gathers every sequence's padded context into new tensors each layer and
-runs small batched matmuls per KV head; at 32 sequences of ~80 tokens (SmolLM2's 9 query
-and 3 KV heads of 64) the kernel took 0.45-0.6 ms a layer where that path took 1.3-2.4 ms.
+- `paged_decode`: the decode step's attention over the paged cache; each query head
+  reads its sequence's keys and values in place through the block table. The torch path
+  it replaces gathers every sequence's padded context into new tensors each layer and
+  runs small batched matmuls per KV head; at 32 sequences of ~80 tokens (SmolLM2's 9
+  query and 3 KV heads of 64) the kernel took 0.45-0.6 ms a layer where that path took
+  1.3-2.4 ms.
+- `rms_norm`: one call where torch's CPU `rms_norm` runs a dozen operators (17 us a call
+  for one row of 576 in a loop, ~100 us inside a decode step).
 
 The shared library is built once into a cache folder (`DISTSERVE_KERNEL_DIR`, default
 ~/.cache/distserve/kernels), under a name that hashes the source and the flags, and
-loaded with ctypes. Where no compiler is found or the build fails, `paged_decode()`
-returns None, the log says why once, and the torch path runs. An image without a
+loaded with ctypes. Where no compiler is found or the build fails, each accessor
+returns None, the log says why once, and the torch paths run. An image without a
 compiler builds it ahead: `python -m distserve_engine.native` (DISTSERVE_KERNEL_DIR set
 to a folder the image keeps).
 """
@@ -31,7 +35,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Reassociation lets the compiler vectorise the dot products' sums; no -ffast-math, which
 # would also change how NaNs, infinities and denormals are handled.
 BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-fassociative-math", "-fno-signed-zeros",
@@ -39,7 +43,7 @@ BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-fassociative-math", "-fno
 BUILD_TIMEOUT_S = 120
 
 _lock = threading.Lock()
-_loaded: dict[str, object] = {}  # "paged_decode" -> the ctypes function, or None once failed
+_loaded: dict[str, object] = {}  # "library" -> the ctypes library, or None once it failed
 
 
 def kernel_dir() -> Path:
@@ -56,7 +60,7 @@ def cpu_flags() -> list[str]:
 
 
 def build(flags: list[str] | None = None) -> Path:
-    """Compile paged_decode.c with these -march flags (this CPU's by default) into the
+    """Compile cpu_kernels.c with these -march flags (this CPU's by default) into the
     cache, unless already there; the library's path. RuntimeError saying why on failure."""
     flags = cpu_flags() if flags is None else flags
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -64,7 +68,7 @@ def build(flags: list[str] | None = None) -> Path:
         raise RuntimeError("no C compiler (cc or gcc on PATH, or CC)")
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([*BASE_FLAGS, *flags]).encode()).hexdigest()[:16]
-    target = kernel_dir() / f"paged_decode-{key}.so"
+    target = kernel_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -82,28 +86,43 @@ def build(flags: list[str] | None = None) -> Path:
 
 
 def paged_decode():
-    """The C decode-attention function (argument types set), or None where it cannot be
-    built or loaded here. Built at most once per process."""
+    """The C decode-attention function, or None where the kernels cannot be built or
+    loaded here."""
+    library = _library()
+    return None if library is None else library.paged_decode_f32
+
+
+def rms_norm():
+    """The C RMSNorm function, or None where the kernels cannot be built or loaded here."""
+    library = _library()
+    return None if library is None else library.rms_norm_f32
+
+
+def _library():
+    """The kernels' library with argument types set, built and loaded at most once per
+    process; None (said once in the log) where it cannot be."""
     with _lock:
-        if "paged_decode" not in _loaded:
-            _loaded["paged_decode"] = _load_paged_decode()
-        return _loaded["paged_decode"]
+        if "library" not in _loaded:
+            _loaded["library"] = _load()
+        return _loaded["library"]
 
 
-def _load_paged_decode():
+def _load():
     if os.environ.get("DISTSERVE_NATIVE_KERNELS", "1") == "0":
-        log.info("CPU decode attention runs in torch: DISTSERVE_NATIVE_KERNELS=0")
+        log.info("the CPU engine runs torch's paths: DISTSERVE_NATIVE_KERNELS=0")
         return None
     try:
-        function = ctypes.CDLL(str(build())).paged_decode_f32
+        library = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError) as e:
-        log.warning("CPU decode attention runs in torch, slower: the C kernel is not "
-                    "available (%s)", e)
+        log.warning("the CPU engine runs torch's paths for decode attention and RMSNorm, "
+                    "slower: its C kernels are not available (%s)", e)
         return None
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer] * 5 + [size] * 6 + [ctypes.c_float, pointer, ctypes.c_int]
-    function.restype = ctypes.c_int
-    return function
+    pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    library.paged_decode_f32.argtypes = [pointer] * 5 + [size] * 6 + [real, pointer, ctypes.c_int]
+    library.paged_decode_f32.restype = ctypes.c_int
+    library.rms_norm_f32.argtypes = [pointer, size, pointer, pointer, size, size, real]
+    library.rms_norm_f32.restype = None
+    return library
 
 
 def main() -> None:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import shutil
-
 import pytest
 import torch
 
@@ -93,31 +90,6 @@ def test_the_c_kernel_decodes_long_scattered_contexts_as_per_sequence_attention(
     for i, (start, kv) in enumerate(zip(starts, full, strict=True)):
         torch.testing.assert_close(out[i:i + 1], reference(q[i:i + 1], kv[0], kv[1], start),
                                    atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                    reason="no C compiler on this machine")
-def test_the_c_kernel_is_built_once_into_the_kernel_folder(tmp_path, monkeypatch):
-    monkeypatch.setenv("DISTSERVE_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "_loaded", {})
-    assert native.paged_decode() is not None
-    built = list(tmp_path.glob("paged_decode-*.so"))
-    assert len(built) == 1
-    stamp = built[0].stat().st_mtime_ns
-    assert native.build() == built[0] and built[0].stat().st_mtime_ns == stamp  # not rebuilt
-
-
-def test_without_a_compiler_decode_falls_back_to_torch_and_says_why(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("DISTSERVE_KERNEL_DIR", str(tmp_path))  # nothing built there
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setattr(native, "_loaded", {})
-    with caplog.at_level(logging.WARNING, logger="distserve_engine.native"):
-        q, k, v, k_cache, v_cache, meta, full = make_batch([5, 2], [1, 1], seed=2)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
-    assert "the C kernel is not available" in caplog.text and "no-such-cc" in caplog.text
-    assert meta.buffers  # the torch path gathered the context
-    torch.testing.assert_close(out[:1], reference(q[:1], full[0][0], full[0][1], 5),
-                               atol=1e-5, rtol=1e-5)
 
 
 def test_decode_reuses_the_steps_context_buffers_across_layers(monkeypatch):

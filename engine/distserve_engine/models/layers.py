@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distserve_engine import native
 from distserve_engine.errors import UnsupportedArchitectureError
 from distserve_engine.parallel import ParallelState, tp_all_reduce
 
@@ -147,6 +148,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, size) -> (T, size)."""
         if x.dtype == torch.float32:
+            kernel = native.rms_norm() if x.device.type == "cpu" and x.dim() == 2 else None
+            if kernel is not None and x.stride(-1) == 1:
+                out = torch.empty(x.shape, dtype=x.dtype)
+                kernel(x.data_ptr(), x.stride(0), self.weight.data_ptr(), out.data_ptr(),
+                       x.shape[0], x.shape[1], self.eps)
+                return out
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
         return y.to(x.dtype)

@@ -1,7 +1,8 @@
-/* Decode attention over the paged KV cache on the CPU, float32: one new token per
+/* The CPU engine's C kernels, float32 (loaded by native.py):
+ *
+ * paged_decode_f32: decode attention over the paged KV cache, one new token per
  * sequence, each query head attending its sequence's whole context, read in place
  * through the block table (nothing gathered, no mask, no padding).
- *
  * Layouts (all contiguous, row-major):
  *   q        (batch, num_heads, head_dim)
  *   k_cache  (num_blocks, block_size, num_kv_heads, head_dim), v_cache the same
@@ -93,4 +94,18 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* RMSNorm, float32: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, the sum of
+ * squares accumulated in double. x rows are row_stride floats apart; out is contiguous. */
+void rms_norm_f32(const float *x, int64_t row_stride, const float *weight, float *out,
+                  int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * row_stride;
+        double squares = 0.0;
+        for (int64_t d = 0; d < dim; ++d) squares += (double)row[d] * row[d];
+        const float inverse = (float)(1.0 / sqrt(squares / (double)dim + (double)eps));
+        float *o = out + r * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = row[d] * inverse * weight[d];
+    }
 }
