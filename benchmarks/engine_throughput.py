@@ -7,6 +7,10 @@ each ratio the median of the rounds' own ratios (with their range).
 Decode tokens/s = batch * steps / decode time; for transformers the times come from one
 generate call, a stopping criterion noting when each token arrives.
 
+With `--torch-paths`, each line also prints the engine as it runs with torch's operators
+alone (its C kernels off, each linear's weight as (in, out) only, no oneDNN-blocked
+copies), a second runner timed in the same rounds.
+
 Each line also prints what it is measured against, timed in the same rounds:
 - gemm: the rate if a step did nothing but its matrix multiplies (the engine's own
   weights, its layout, the step's row count: batch for decode, batch * prompt for
@@ -14,7 +18,7 @@ Each line also prints what it is measured against, timed in the same rounds:
 - mem (batch 1 decode): the rate if a step only read the weights once at the measured
   copy bandwidth (bytes read + written per second of a 256 MiB tensor copy).
 
-    python benchmarks/engine_throughput.py [--dtype float32|bfloat16] [--threads N]
+    python benchmarks/engine_throughput.py [--dtype float32|bfloat16] [--threads N] [--torch-paths]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 import torch
 from smollm2 import engine_runner, hf_model, random_prompts
 
+from distserve_engine import native
 from distserve_engine.models.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -100,6 +105,19 @@ def gemm_rate(linears: list[torch.nn.Module], head: torch.nn.Module, rows: int,
     return rows / (time.perf_counter() - start)
 
 
+def torch_paths_runner(dtype: str):
+    """A second runner whose linears keep only their (in, out) copies (a tied LM head its
+    plain weight, the embedding's); run it within native.torch_paths_only()."""
+    runner = engine_runner(dtype)
+    head = runner.model.lm_head
+    for module in [*layer_linears(runner), head]:
+        if hasattr(module, "weight_blocked"):
+            del module.weight_blocked
+    if hasattr(head, "weight") and hasattr(head, "weight_t"):
+        del head.weight_t
+    return runner
+
+
 def copy_bandwidth(nbytes: int = 256 << 20) -> float:
     """Bytes read plus written per second by one large tensor copy."""
     src = torch.ones(nbytes // 4)
@@ -123,10 +141,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--torch-paths", action="store_true",
+                        help="also time the engine with torch's operators alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner = engine_runner(args.dtype)
     model = hf_model(runner, runner.dtype)
+    plain = torch_paths_runner(args.dtype) if args.torch_paths else None
     linears = layer_linears(runner)
     weight_bytes = runner.model.weight_bytes_read()
     print(f"# SmolLM2-135M {args.dtype} CPU, torch threads={args.threads}, prompt_len="
@@ -136,27 +157,38 @@ def main() -> None:
     hf_rates(model, random_prompts(2, 16, seed=99), 2)
     for batch in args.batches:
         prompts = random_prompts(batch, args.prompt_len, seed=batch)
-        rounds = []  # per round: engine, transformers, gemm-only, memory bound rates
+        rounds = []  # per round: engine, transformers, gemm-only, memory bound, torch paths
         for repeat in range(args.repeats):
-            if repeat % 2:  # alternate who goes first, so neither always meets the same load
-                h_prefill, h_decode = hf_rates(model, prompts, args.steps)
-                e_prefill, e_decode = engine_rates(runner, prompts, args.steps)
-            else:
-                e_prefill, e_decode = engine_rates(runner, prompts, args.steps)
-                h_prefill, h_decode = hf_rates(model, prompts, args.steps)
+            timed = {}
+            runs = {"engine": (engine_rates, runner), "transformers": (hf_rates, model)}
+            if plain is not None:
+                runs["torch paths"] = (plain_rates, plain)
+            order = list(runs) if repeat % 2 == 0 else list(reversed(runs))
+            for name in order:  # alternate who goes first, so none always meets the same load
+                rates, model_or_runner = runs[name]
+                timed[name] = rates(model_or_runner, prompts, args.steps)
             head = runner.model.lm_head
             g_prefill, g_decode = (
                 gemm_rate(linears, head, batch * args.prompt_len, batch, runner.dtype),
                 gemm_rate(linears, head, batch, batch, runner.dtype))
             mem = copy_bandwidth() / weight_bytes
-            rounds.append(((e_decode, h_decode, g_decode, mem), (e_prefill, h_prefill, g_prefill)))
+            (e_prefill, e_decode), (h_prefill, h_decode) = timed["engine"], timed["transformers"]
+            p_prefill, p_decode = timed.get("torch paths", (None, None))
+            rounds.append(((e_decode, h_decode, g_decode, mem, p_decode),
+                           (e_prefill, h_prefill, g_prefill, None, p_prefill)))
         for kind, index in (("decode", 0), ("prefill", 1)):
             is_memory_bound = batch == 1 and kind == "decode"
             print(f"batch={batch:3d} {kind:7s} {summary([r[index] for r in rounds], is_memory_bound)}"
                   f" {load()}", flush=True)
 
 
-def summary(rounds: list[tuple[float, ...]], with_memory_bound: bool) -> str:
+def plain_rates(runner, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """engine_rates with the C kernels off."""
+    with native.torch_paths_only():
+        return engine_rates(runner, prompts, steps)
+
+
+def summary(rounds: list[tuple[float | None, ...]], with_memory_bound: bool) -> str:
     """Rates as medians over the rounds; each ratio the median of the rounds' own ratios
     (each round timed its figures back to back, so the load it saw is shared), its range."""
     def ratio(i: int, j: int) -> str:
@@ -168,6 +200,9 @@ def summary(rounds: list[tuple[float, ...]], with_memory_bound: bool) -> str:
             f"| gemm-only={gemm:7.1f} share={ratio(0, 2)}")
     if with_memory_bound:
         line += f" | memory bound={statistics.median(r[3] for r in rounds):6.1f} share={ratio(0, 3)}"
+    if rounds[0][4] is not None:
+        line += (f" | torch paths={statistics.median(r[4] for r in rounds):7.1f} "
+                 f"engine/torch paths={ratio(0, 4)}")
     return line
 
 

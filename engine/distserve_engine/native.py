@@ -20,6 +20,7 @@ to a folder the image keeps).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -44,6 +45,7 @@ BUILD_TIMEOUT_S = 120
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}  # "library" -> the ctypes library, or None once it failed
+_is_off = False  # set within torch_paths_only()
 
 
 def kernel_dir() -> Path:
@@ -98,9 +100,23 @@ def rms_norm():
     return None if library is None else library.rms_norm_f32
 
 
+@contextlib.contextmanager
+def torch_paths_only():
+    """Within this block the accessors return None, so the torch paths run (a benchmark
+    that compares the two in one process)."""
+    global _is_off
+    _is_off = True
+    try:
+        yield
+    finally:
+        _is_off = False
+
+
 def _library():
     """The kernels' library with argument types set, built and loaded at most once per
     process; None (said once in the log) where it cannot be."""
+    if _is_off:
+        return None
     with _lock:
         if "library" not in _loaded:
             _loaded["library"] = _load()
