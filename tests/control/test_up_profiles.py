@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from distserve.local import profiles
 from distserve.local.machine import Machine
 from distserve.local.profiles import choose_profile
 from distserve.spec import load_manifest
@@ -99,6 +100,14 @@ def test_a_change_the_timings_depend_on_measures_anew(tmp_path):
     choose_profile(make_spec(tmp_path, max_decode_batch=8), ENGINE, None, True, measure, print)
     choose_profile(make_spec(tmp_path), dataclasses.replace(ENGINE, dtype="bfloat16"), None, True, measure, print)
     assert len(set(measure.paths)) == 3
+
+
+def test_a_change_of_the_engines_c_kernels_measures_anew(tmp_path, monkeypatch):
+    measure = FakeMeasure()
+    choose_profile(make_spec(tmp_path), ENGINE, None, True, measure, print)
+    monkeypatch.setattr(profiles, "_kernels_digest", lambda: "another source")
+    choose_profile(make_spec(tmp_path), ENGINE, None, True, measure, print)
+    assert len(set(measure.paths)) == 2
 
 
 def test_profile_flag_wins_over_the_cache(tmp_path):

@@ -7,7 +7,8 @@ CPU `distserve up` plans with this machine's own profile. The order:
 2. this machine's cached profile (`$XDG_CACHE_HOME/distserve/profiles/`, default
    `~/.cache`): one file per key of what the timings depend on (model, weights, dtype,
    block size, context cap, the grid's bounds, threads per rank, CPU model and core
-   count, torch version), so a change of any of them measures anew;
+   count, torch version, the engine's C kernels' source), so a change of any of them
+   measures anew;
 3. unless `--no-measure`, measure it now with `distserve profile`'s code (a minute or
    more, once) and cache it;
 4. the spec's `planner.profilePath`, with a plain warning when the file records another
@@ -20,6 +21,7 @@ from tensor parallelism; the spec's or the built-in profile is used, and named.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -31,7 +33,8 @@ from distserve.local.machine import Machine
 from distserve.spec import DistServeDeploymentSpec
 from distserve_engine.config import EngineConfig
 
-CACHE_FORMAT = 1  # bump when the profiler's output changes meaning: old entries are ignored
+CACHE_FORMAT = 2  # bump when the profiler's output changes meaning, or the engine's CPU
+# speed changes outside its C kernels: old entries are ignored (2: oneDNN-blocked linears)
 THREADS_PER_RANK = 1  # `distserve up` pins each instance rank to one core
 
 
@@ -78,7 +81,19 @@ def cache_key(spec: DistServeDeploymentSpec, engine: EngineConfig, machine: Mach
         "max_decode_batch": spec.planner.max_decode_batch,
         "device": machine.device, "threads": machine.threads, "cpu_model": machine.cpu_model,
         "cpu_cores": machine.cpu_cores, "torch": machine.torch,
+        "cpu_kernels": _kernels_digest(),
     }
+
+
+def _kernels_digest() -> str | None:
+    """A digest of the engine's C kernels' source (read as a file: the engine's modules
+    import torch, which the operator does not)."""
+    spec = importlib.util.find_spec("distserve_engine")
+    folders = spec.submodule_search_locations if spec is not None else None
+    source = Path(next(iter(folders))) / "cpu_kernels.c" if folders else None
+    if source is None or not source.exists():
+        return None
+    return hashlib.sha256(source.read_bytes()).hexdigest()[:12]
 
 
 def cache_path(key: dict) -> Path:
