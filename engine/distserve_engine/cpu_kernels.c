@@ -17,6 +17,23 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* e^x for x in [-60, 0], vectorisable (libm's expf is a call per element): x = n ln2 + r
+ * with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial (within 1e-7 of e^x, relative), 2^n
+ * built in the exponent bits (n >= -87, so 2^n is a normal float). */
+static inline float exp_nonpositive(float x) {
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t bits; float value; } scale = {.bits = ((int32_t)n + 127) << 23};
+    return p * scale.value;
+}
+
 typedef struct {
     const float *k_cache, *v_cache;
     int64_t block_size, num_heads, num_kv_heads, head_dim;
@@ -53,7 +70,7 @@ static void attend_one(const float *q, const int64_t *table, int64_t len, const 
                 /* A weight below e^-60 of the largest is taken as 0: a smaller one would
                  * make subnormal products in the sum over values, each ~100x slower. */
                 const float shifted = row[t] - top;
-                row[t] = shifted < -60.f ? 0.f : expf(shifted);
+                row[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
                 total += row[t];
             }
             const float inverse = 1.f / total;
