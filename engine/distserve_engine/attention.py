@@ -185,8 +185,7 @@ def _decode_native(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """One new token per sequence, float32, by the C kernel over the paged cache."""
     batch, num_heads, head_dim = q.shape
     q = q.contiguous()  # q is a view of the fused qkv projection
-    tables = meta.block_tables.to(torch.int64).contiguous()  # no copy when already so
-    lens = meta.context_lens.to(torch.int64).contiguous()
+    tables, lens = meta.block_tables, meta.context_lens  # int64, contiguous (build_metadata)
     out = q.new_empty(batch, num_heads * head_dim)
     status = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                     lens.data_ptr(), batch, tables.shape[1], k_cache.shape[1], num_heads,
