@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from distserve_engine import policy
 from distserve_engine.block_manager import BlockManager
+from distserve_engine.instance.iterations import IterationLog, decode_lens, prefill_lens
 from distserve_engine.instance.loop import Sink
 from distserve_engine.interface import Runner
 from distserve_engine.request import ServeRequest, TokenEvent, TransferStats, now_s
@@ -111,8 +112,9 @@ class Admission:
 class DecodeBatch:
     """The requests being decoded together, stepped one token at a time."""
 
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: Runner, iterations: IterationLog | None = None) -> None:
         self.runner = runner
+        self.iterations = iterations or IterationLog()  # each runner call, timed
         self.running: dict[str, Running] = {}  # in the order they were admitted
 
     def __len__(self) -> int:
@@ -135,7 +137,8 @@ class DecodeBatch:
         if not self.running:
             return [], preempted
         items = list(self.running.values())
-        self.runner.decode([item.seq for item in items])
+        seqs = [item.seq for item in items]
+        self.iterations.run("decode", decode_lens(seqs), lambda: self.runner.decode(seqs))
         return self._emit_all(items, now_s()), preempted
 
     def make_room(self, num_free_blocks: int) -> list[Running]:
@@ -157,7 +160,8 @@ class DecodeBatch:
     def prefill(self, items: list[Running]) -> list[Running]:
         """Prefill new or preempted requests (every uncached token), stream the token each
         samples, and join them to the batch; return those that finished."""
-        self.runner.prefill([item.seq for item in items])
+        seqs = [item.seq for item in items]
+        self.iterations.run("prefill", prefill_lens(seqs), lambda: self.runner.prefill(seqs))
         for item in items:
             self.add(item)
         return self._emit_all(items, now_s())

@@ -37,7 +37,7 @@ class ColocatedInstance(PromptQueueLoop):
     ) -> None:
         super().__init__(name, runner)
         self.max_prefill_tokens = max_prefill_tokens
-        self.batch = DecodeBatch(runner)
+        self.batch = DecodeBatch(runner, self.iterations)
         self.admission = Admission(runner.block_manager, max_batch_size)
         # _waiting (FCFS) holds new requests (Waiting) and preempted ones (Running).
 

@@ -54,7 +54,7 @@ class DecodeInstance(InstanceLoop):
     def __init__(self, name: str, runner: Runner, fetcher: KVFetcher, max_batch_size: int) -> None:
         super().__init__(name, runner)
         self.fetcher = fetcher  # pulls run on this instance's transfer threads
-        self.batch = DecodeBatch(runner)
+        self.batch = DecodeBatch(runner, self.iterations)
         self.admission = Admission(runner.block_manager, max_batch_size)
         # FCFS: prefilled requests whose KV is not pulled yet, and preempted ones.
         self._pending: deque[_Incoming | Running] = deque()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from distserve_engine.instance.iterations import IterationLog
 from distserve_engine.request import InstanceLoad, ServeRequest, TokenEvent, now_s
 from distserve_engine.sequence import Sequence
 
@@ -41,6 +42,7 @@ class InstanceLoop:
         self.name = name
         self.runner = runner
         self.error: str | None = None  # set when the instance died
+        self.iterations = IterationLog()  # the runner's recent batches, timed
         self._wake = threading.Condition()
         self._inbox: deque[Callable[[], None]] = deque()
         self._is_stopping = False

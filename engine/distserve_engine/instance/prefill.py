@@ -15,6 +15,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from distserve_engine import policy
+from distserve_engine.instance.iterations import prefill_lens
 from distserve_engine.instance.loop import PromptQueueLoop, Waiting, start_sequence
 from distserve_engine.interface import Runner
 from distserve_engine.kv_cache import KVBlob
@@ -62,7 +63,7 @@ class PrefillInstance(PromptQueueLoop):
         batch = self._schedule()
         started_s = now_s()
         seqs = [start_sequence(w.request, self.runner) for w in batch]
-        self.runner.prefill(seqs)
+        self.iterations.run("prefill", prefill_lens(seqs), lambda: self.runner.prefill(seqs))
         finished_s = now_s()
         for item, seq in zip(batch, seqs, strict=True):
             text = self.runner.check_stop(seq)

@@ -9,7 +9,8 @@ Internal endpoints (JSON; the contract is `request.py`'s dataclasses):
   that range of the decode process's /dev/shm arena -> the blob's header (prefill;
   shared-memory transfer; the decode side frees the range itself).
 - `DELETE /requests/{id}` cancel; `GET /load`, `GET /health` (ready for work),
-  `GET /livez` (the engine thread alive and not stuck), `GET /metrics`.
+  `GET /livez` (the engine thread alive and not stuck), `GET /metrics`,
+  `GET /debug/iterations?limit=N` (the runner's recent batches, timed: `iterations.py`).
 A caller that disconnects from a prefill or a stream cancels the request.
 
 The routes are module-level; what they serve (the instance, its arena, its metrics)
@@ -26,9 +27,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from distserve_engine.instance.iterations import ITERATION_HISTORY
 from distserve_engine.metrics import CONTENT_TYPE, ServingMetrics
 from distserve_engine.request import PrefillOutput, ServeRequest, TokenEvent
 from distserve_engine.transfer import shm, tcp
@@ -163,6 +165,13 @@ async def cancel(request_id: str, raw: Request) -> dict:
 @routes.get("/load")
 async def load(raw: Request) -> dict:
     return _served(raw).instance.load().to_dict()
+
+
+@routes.get("/debug/iterations")
+async def iterations(raw: Request, limit: int = Query(ITERATION_HISTORY, ge=1, le=ITERATION_HISTORY)) -> Response:
+    """The engine thread's recent runner calls, oldest first (`instance.iterations`)."""
+    recent = _served(raw).instance.iterations.recent(limit)
+    return JSONResponse([item.to_dict() for item in recent])
 
 
 @routes.get("/health")

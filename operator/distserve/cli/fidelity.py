@@ -1,15 +1,21 @@
 """`distserve fidelity -f SPEC`: the simulator held to a real deployment on this machine.
 
-Samples one trace of the spec's workload (`--requests`, lengths and Poisson arrivals at
-1 req/s, scaled to each rate) and replays it on the deployment as `distserve up`
-launches it: the plan's prefill and decode instances, then `--colocated N` colocated
-instances (the baseline). Each runs at three rates around its simulated knee (the
-highest rate at which the simulator meets the SLO target on this trace: x0.75, x1 and
-x1.25), or at `--rates`. Beside each measured figure (attainment, TTFT and TPOT p50
-and p90) it prints the simulator's for the same requests at the same times, the gap,
-whether the gap is within the goal (attainment within 2 points, percentiles within
-10%), and the 1-minute load average over the run: on a shared machine the load moves
-the measurements and not the prediction.
+Samples the spec's workload (lengths, Poisson arrivals at 1 req/s scaled to each rate)
+and replays it on the deployment as `distserve up` launches it: the plan's prefill and
+decode instances, then `--colocated N` colocated instances (the baseline). Per deployment:
+1. Calibration (`--calibrate-requests`, 0 to skip): another sample of the workload at
+   half the simulated knee (the requests after those replayed); every batch the instances' runners ran is set beside the
+   profile's time for the same batch (`local.calibration`), and the ratio per phase is a
+   correction the simulator runs with from then on. The profile times a bare runner;
+   serving shares its cores with HTTP threads, KV exports, the router and the clients.
+2. The knee: the highest rate at which the simulator meets the SLO target in steady state,
+   judged on KNEE_TRACE_REQUESTS requests (a short trace scaled to a high rate is one
+   burst that drains, not a rate the deployment sustains).
+3. `--requests` of the sample replayed at x0.75, x1 and x1.25 the knee, or at `--rates`.
+   Beside each measured figure (attainment, TTFT and TPOT p50 and p90) it prints the
+   simulator's for the same requests at the same times, the gap, whether the gap is within
+   the goal (attainment within 2 points, percentiles within 10%), the simulator's figures
+   with the profile as measured, and the 1-minute load average over the run.
 The latency profile is the one `distserve up` plans with (this machine's, measured on
 first use and cached; `--profile FILE`, `--no-measure`); its fit error is printed first.
 """
@@ -17,11 +23,13 @@ first use and cached; `--profile FILE`, `--no-measure`); its fit error is printe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from distserve.spec import load_manifest
@@ -29,7 +37,10 @@ from distserve.spec import load_manifest
 NAME = "fidelity"
 HELP = "Replay one trace on this machine's deployment at three rates; print measured beside simulated."
 KNEE_FACTORS = (0.75, 1.0, 1.25)
-DEFAULT_REQUESTS = 40
+DEFAULT_REQUESTS = 120
+DEFAULT_CALIBRATION_REQUESTS = 40
+CALIBRATION_KNEE_FACTOR = 0.5  # calibrate below the knee: iterations, not queues, are fitted
+KNEE_TRACE_REQUESTS = 600  # the knee is judged in steady state on at least this many
 DEFAULT_COLOCATED = 2
 WARMUP_REQUESTS = 2  # first requests of a fresh process pay one-time costs: not measured
 LOAD_SAMPLE_S = 1.0
@@ -42,6 +53,11 @@ def add_arguments(parser) -> None:
                         help="rates in req/s (default: x0.75, x1, x1.25 the simulated knee of each deployment)")
     parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
                         help=f"requests in the trace, replayed at every rate (default {DEFAULT_REQUESTS})")
+    parser.add_argument("--calibrate-requests", type=int, default=DEFAULT_CALIBRATION_REQUESTS,
+                        metavar="N",
+                        help="requests of another sample replayed first, whose iterations fit the "
+                             f"profile's correction (default {DEFAULT_CALIBRATION_REQUESTS}; 0: the "
+                             "profile as measured)")
     parser.add_argument("--colocated", type=int, default=DEFAULT_COLOCATED, metavar="N",
                         help=f"also run N colocated instances (default {DEFAULT_COLOCATED}; 0: skip)")
     parser.add_argument("--no-disaggregated", action="store_true",
@@ -75,6 +91,11 @@ def run(args) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         rates = [float(r) for r in args.rates.split(",")] if args.rates else None
+        if rates is not None and (len(rates) == 0 or min(rates) <= 0):
+            raise ValueError(f"--rates must be positive req/s, got {args.rates!r}")
+        if args.requests < 1 or args.calibrate_requests < 0:
+            raise ValueError(f"--requests must be >= 1 and --calibrate-requests >= 0, got "
+                             f"{args.requests} and {args.calibrate_requests}")
         source = _choose_profile(args, spec, model_path)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -90,16 +111,20 @@ def run(args) -> int:
             return 1
         plan = None
         _say(f"planner: no feasible plan ({err}); running the spec's placement")
-    trace = _sample_trace(spec, args.requests)
-    _say(f"trace: {trace.num_requests} requests of the spec's workload, replayed at every rate; "
-         f"SLOs TTFT <= {spec.slo.ttft_seconds} s, TPOT <= {spec.slo.tpot_seconds} s, "
-         f"target {spec.slo.attainment:.0%}")
+    knee_trace = _sample_trace(spec, max(args.requests, KNEE_TRACE_REQUESTS))
+    trace = knee_trace.at_rate(1.0, args.requests)
+    calibration = (_sample_trace(spec, args.calibrate_requests, skip=args.requests)
+                   if args.calibrate_requests else None)
+    _say(f"trace: {trace.num_requests} requests of the spec's workload, replayed at every rate "
+         f"(the knee judged on {knee_trace.num_requests}); SLOs TTFT <= {spec.slo.ttft_seconds} s, "
+         f"TPOT <= {spec.slo.tpot_seconds} s, target {spec.slo.attainment:.0%}")
     shapes = [] if args.no_disaggregated else [0]
     shapes += [args.colocated] if args.colocated else []
     try:
         for offset, num_colocated in enumerate(shapes):
             compare_deployment(spec, plan, manifest.metadata.name, model_path, num_colocated,
-                               trace, rates, args.port + 10 * offset)
+                               trace, rates, args.port + 10 * offset, knee_trace=knee_trace,
+                               calibration=calibration)
     except LaunchError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_LAUNCH_ERROR
@@ -132,32 +157,42 @@ def fit_error_text(path: str | None) -> str:
         for phase, e in errors.items() if isinstance(e, dict))
 
 
-def _sample_trace(spec, num_requests: int):
-    """num_requests of the spec's workload at 1 req/s (Poisson), each fitting the context."""
+def _sample_trace(spec, num_requests: int, skip: int = 0):
+    """num_requests of the spec's workload at 1 req/s (Poisson), each fitting the context;
+    skip: the first `skip` of the sample are left out (another part of the same sample:
+    a trace-ordered workload replays from its first request), arrivals from the last one
+    left out."""
     from distserve.local.prediction import trace_of
-    from distserve.workload import make_workload
+    from distserve.workload import Request, make_workload
 
     w = spec.workload
     workload = make_workload(w.dataset, w.trace_path, w.arrival if w.arrival != "trace" else "poisson", w.cv)
     max_len = (spec.model.max_model_len or 2048) - 1
-    requests = [r for r in workload.sample(1.0, num_requests, seed=spec.planner.seed)
-                if r.prompt_tokens + r.output_tokens <= max_len]
+    sample = workload.sample(1.0, skip + num_requests, seed=spec.planner.seed)
+    start_s = sample[skip - 1].arrival_s if skip else 0.0
+    requests = [Request(r.req_id - skip, r.arrival_s - start_s, r.prompt_tokens, r.output_tokens)
+                for r in sample[skip:] if r.prompt_tokens + r.output_tokens <= max_len]
     return trace_of(requests)
 
 
 def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: int, trace,
-                       rates: list[float] | None, port: int, drive_fn=None,
-                       launch=None) -> list[tuple]:
-    """Launch one deployment (the plan's, or with no plan the spec's placement), replay
-    the trace at each rate, print and return (rate, measured, predicted, load) per rate. drive_fn(url, requests) -> outcomes and
-    launch(settings, port) -> a context manager with .url replace the HTTP load generator
-    and the processes (tests)."""
+                       rates: list[float] | None, port: int, drive_fn=None, launch=None,
+                       knee_trace=None, calibration=None, iterations_fn=None) -> list[tuple]:
+    """Launch one deployment (the plan's, or with no plan the spec's placement), calibrate
+    on `calibration` (a trace at 1 req/s, or None), replay `trace` at each rate (around
+    the knee judged on `knee_trace`, default `trace`); print and return (rate, measured,
+    predicted, load) per rate. drive_fn(url, requests) -> outcomes,
+    launch(settings, port) -> a context manager with .url, and iterations_fn(launcher) ->
+    {instance name: [Iteration]} replace the HTTP load generator, the processes and the
+    instances' /debug/iterations (tests)."""
+    from distserve.local.calibration import fit_iterations
     from distserve.local.launcher import LocalLauncher
     from distserve.local.prediction import (
         KNEE_DROP,
         LocalShape,
         engine_context,
-        predicted_knee_rps,
+        predict_run,
+        requests_of,
     )
     from distserve.local.settings import instance_counts, instance_parallel, serve_settings
     from distserve.search import build_context
@@ -166,28 +201,70 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                               instance_parallel(spec, plan, num_colocated),
                               plan if not num_colocated else None)
     shape = LocalShape.from_settings(settings)
-    ctx = engine_context(build_context(spec), settings)
+    profiled = engine_context(build_context(spec), settings)
     estimate_rps = (plan.goodput_rps if plan else 0.0) or spec.workload.rate_rps or 1.0
-    knee_rps, judged_by = predicted_knee_rps(ctx, shape, trace, estimate_rps)
-    if not rates and knee_rps <= 0:
-        raise ValueError(f"{shape.describe()}: the simulated attainment has no knee on this "
-                         "trace; give --rates")
-    rates = rates or [round(knee_rps * f, 3) for f in KNEE_FACTORS]
-    why = ("" if judged_by == spec.slo.attainment else
-           f" (unloaded the simulator meets the SLOs for {judged_by + KNEE_DROP:.0%}; the knee "
-           f"is where that falls to {judged_by:.0%})")
-    _say(f"\n{shape.describe()}: simulated knee {knee_rps:.3f} req/s{why}; rates "
-         + ", ".join(f"{r:g}" for r in rates) + " req/s")
+    knee_trace = knee_trace or trace
     rows = []
     launch = launch or (lambda settings, port: LocalLauncher(settings, port=port))
+    iterations_fn = iterations_fn or _fetch_iterations
     with launch(settings, port) as launcher:
         _log(f"  {shape.describe()} serving at {launcher.url}")
-        _drive(launcher.url, spec, trace.at_rate(rates[0]), drive_fn, WARMUP_REQUESTS)
-        for rate in rates:
+        _drive(launcher.url, spec, trace.at_rate(1.0), drive_fn, WARMUP_REQUESTS)
+        ctx = profiled
+        if calibration is not None:
+            knee_rps, _ = _knee(profiled, shape, knee_trace, estimate_rps)
+            rate = round(max(knee_rps, 0.01) * CALIBRATION_KNEE_FACTOR, 3)
+            started_s = time.time()
+            _drive(launcher.url, spec, calibration.at_rate(rate), drive_fn)
+            fit = fit_iterations(profiled, shape, {
+                name: [i for i in items if i.started_s >= started_s]
+                for name, items in iterations_fn(launcher).items()})
+            ctx = dataclasses.replace(profiled, correction=fit.correction)
+            _say(f"\n{shape.describe()}: calibration, {calibration.num_requests} requests of another "
+                 f"sample at {rate:g} req/s; the runner's iterations against the profile's time "
+                 f"for the same batches: {fit.describe()}; the simulator runs with this correction")
+        knee_rps, judged_by = _knee(ctx, shape, knee_trace, estimate_rps)
+        if not rates and knee_rps <= 0:
+            raise ValueError(f"{shape.describe()}: the simulated attainment has no knee on this "
+                             "trace; give --rates")
+        at_rates = rates or [round(knee_rps * f, 3) for f in KNEE_FACTORS]
+        why = ("" if judged_by == spec.slo.attainment else
+               f" (unloaded the simulator meets the SLOs for {judged_by + KNEE_DROP:.0%}; the knee "
+               f"is where that falls to {judged_by:.0%})")
+        _say(f"\n{shape.describe()}: simulated knee {knee_rps:.3f} req/s{why}; rates "
+             + ", ".join(f"{r:g}" for r in at_rates) + " req/s")
+        for rate in at_rates:
             row = _compare_at(launcher.url, spec, ctx, shape, trace, rate, drive_fn)
             rows.append(row)
-            _say(format_comparison(shape.describe(), *row, spec.slo.attainment))
+            text = format_comparison(shape.describe(), *row, spec.slo.attainment)
+            if ctx is not profiled:
+                text += "\n" + format_uncorrected(predict_run(profiled, shape, requests_of(
+                    trace.at_rate(rate)), rate))
+            _say(text)
     return rows
+
+
+def _knee(ctx, shape, knee_trace, estimate_rps: float) -> tuple[float, float]:
+    from distserve.local.prediction import predicted_knee_rps
+
+    return predicted_knee_rps(ctx, shape, knee_trace, estimate_rps)
+
+
+def _fetch_iterations(launcher) -> dict:
+    """{instance name: its runner's recent iterations} from each instance process."""
+    import httpx
+
+    from distserve_engine.instance.iterations import ITERATION_HISTORY, Iteration
+
+    out = {}
+    for proc in launcher.procs:
+        if proc.role == "router":
+            continue
+        response = httpx.get(f"{proc.url}/debug/iterations", params={"limit": ITERATION_HISTORY},
+                             timeout=30.0)
+        response.raise_for_status()
+        out[proc.name] = [Iteration.from_dict(doc) for doc in response.json()]
+    return out
 
 
 def _compare_at(url: str, spec, ctx, shape, trace, rate: float, drive_fn) -> tuple:
@@ -266,3 +343,10 @@ def format_comparison(what: str, rate: float, measured, predicted, load: tuple[f
         lines.append(f"  {label}    measured {m:7.3f} s simulated {p:7.3f} s  gap {rel:+6.1%}   "
                      f"{verdict} 10%   [{load_text}]")
     return "\n".join(lines)
+
+
+def format_uncorrected(predicted) -> str:
+    """The simulator's figures with the profile as measured (before calibration)."""
+    return (f"  with the profile as measured: attainment {predicted.attainment:6.1%}, "
+            f"TTFT p50/p90 {predicted.ttft_p_s[50]:.3f}/{predicted.ttft_p_s[90]:.3f} s, "
+            f"TPOT p50/p90 {predicted.tpot_p_s[50]:.3f}/{predicted.tpot_p_s[90]:.3f} s")

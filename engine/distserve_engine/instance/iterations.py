@@ -1,0 +1,87 @@
+"""What an instance's engine thread ran, batch by batch.
+
+Each prefill batch and decode step of the runner is kept as an `Iteration`: its kind,
+when it started, how long the runner took and the lengths it ran over, in the terms the
+latency profile times them (`distserve_engine.profile`): a prefill batch by the tokens
+it computed per sequence, a decode step by each sequence's context including the token
+it adds. `GET /debug/iterations` serves the most recent ones; `distserve fidelity` holds
+them against the profile's time for the very same batches, which tells a slower runner
+under serving (its HTTP threads and KV exports share the core) from a scheduling gap.
+No torch here: the control plane reads the same documents.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TypeVar
+
+ITERATION_HISTORY = 4096  # iterations kept per instance
+KINDS = ("prefill", "decode")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One runner call of the engine thread."""
+
+    kind: str  # "prefill" or "decode"
+    started_s: float  # wall clock (time.time, as `request.now_s`), comparable across processes
+    seconds: float  # how long the runner took
+    lens: tuple[int, ...]  # prefill: tokens computed per sequence; decode: context + 1 per sequence
+
+    def to_dict(self) -> dict:
+        """A JSON-able document."""
+        return {**asdict(self), "lens": list(self.lens)}
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> Iteration:
+        """The inverse of to_dict; a ValueError naming what is wrong."""
+        try:
+            kind = doc["kind"]
+            if kind not in KINDS:
+                raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+            return cls(kind, float(doc["started_s"]), float(doc["seconds"]),
+                       tuple(int(n) for n in doc["lens"]))
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"an iteration needs kind, started_s, seconds and lens: {err}") from err
+
+
+class IterationLog:
+    """The last `maxlen` iterations of one instance (written by its engine thread, read
+    by any thread)."""
+
+    def __init__(self, maxlen: int = ITERATION_HISTORY) -> None:
+        self._items: deque[Iteration] = deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+
+    def run(self, kind: str, lens: Sequence[int], call: Callable[[], T]) -> T:
+        """Run call (the runner's prefill or decode over a batch of these lengths), keep
+        its time, return what it returns. A call that raises is not kept."""
+        started_s = time.time()
+        started = time.perf_counter()
+        result = call()
+        item = Iteration(kind, started_s, time.perf_counter() - started, tuple(lens))
+        with self._lock:
+            self._items.append(item)
+        return result
+
+    def recent(self, limit: int | None = None) -> list[Iteration]:
+        """The last `limit` iterations (all kept when None), oldest first."""
+        with self._lock:
+            items = list(self._items)
+        return items if limit is None else items[-limit:] if limit > 0 else []
+
+
+def prefill_lens(seqs: Sequence) -> list[int]:
+    """Tokens a prefill computes for each sequence: all it holds less what is cached."""
+    return [seq.num_tokens - seq.num_cached_tokens for seq in seqs]
+
+
+def decode_lens(seqs: Sequence) -> list[int]:
+    """Each sequence's context after the step: its tokens, the newest not yet cached."""
+    return [seq.num_tokens for seq in seqs]

@@ -1,0 +1,111 @@
+"""The latency profile held to a serving deployment's own iterations.
+
+The profile is measured on a bare runner (`distserve profile`). Serving adds work on the
+same cores: the instance's HTTP threads, KV exports to decode, the router and the
+clients beside it. Each instance keeps its runner's recent batches timed
+(`GET /debug/iterations`, `distserve_engine.instance.iterations`); here every one of
+them is set beside the time the profile gives the very same batch (its lengths, the
+instance's tp and pp and serving mode), and the ratio of the sums, per phase, is a
+`Correction` the simulator can run with. The ratio of sums weighs each iteration by its
+time, as a phase's capacity does; the spread of the per-iteration ratios says how
+steady it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from distserve.latency import Correction
+from distserve.local.prediction import LocalShape
+from distserve.local.settings import local_instance_name
+from distserve.search.candidates import Config
+from distserve.search.trials import SearchContext, instance_model
+from distserve_engine.instance.iterations import KINDS, Iteration
+
+
+@dataclass(frozen=True)
+class PhaseFit:
+    """Measured against profiled time of one phase's iterations."""
+
+    phase: str  # "prefill" or "decode"
+    num_iterations: int
+    measured_s: float  # the iterations' measured seconds, summed
+    profiled_s: float  # the profile's seconds for the same batches, summed
+    p10: float  # of the per-iteration ratios
+    p90: float
+
+    @property
+    def factor(self) -> float:
+        """Measured over profiled time (1.0 where nothing was measured)."""
+        return self.measured_s / self.profiled_s if self.profiled_s > 0 else 1.0
+
+    def describe(self) -> str:
+        """e.g. "prefill x1.16 (per batch x1.04-1.36, 133 batches)"."""
+        if not self.num_iterations:
+            return f"{self.phase}: no iterations (x1.00)"
+        return (f"{self.phase} x{self.factor:.2f} (per iteration x{self.p10:.2f}-{self.p90:.2f}, "
+                f"{self.num_iterations} iterations)")
+
+
+@dataclass(frozen=True)
+class IterationFit:
+    """Both phases' fits and the correction they make."""
+
+    phases: tuple[PhaseFit, ...]
+
+    @property
+    def correction(self) -> Correction:
+        """Per-phase factors, clamped to what a correction allows."""
+        by = {fit.phase: fit.factor for fit in self.phases}
+        return Correction.clamped(by.get("prefill", 1.0), by.get("decode", 1.0))
+
+    def describe(self) -> str:
+        """Both phases in one line."""
+        return "; ".join(fit.describe() for fit in self.phases)
+
+
+def profiled_s(ctx: SearchContext, serving_mode: str, config: Config, item: Iteration) -> float:
+    """The profile's time for this iteration on an instance of this configuration (the
+    simulator's own timer: the same figure a simulated batch takes)."""
+    timer = instance_model(ctx, serving_mode, config).timer
+    if item.kind == "prefill":
+        return timer.prefill_iteration_s(item.lens)
+    alpha_s, slope_s = timer.decode_line(len(item.lens))
+    return alpha_s + slope_s * sum(item.lens)
+
+
+def fit_iterations(ctx: SearchContext, shape: LocalShape,
+                   name_to_iterations: Mapping[str, Iterable[Iteration]]) -> IterationFit:
+    """Each phase's measured over profiled time, over every instance of the shape.
+    ctx's own correction is left out: the fit is against the profile as measured.
+    A ValueError for an instance the shape does not have."""
+    bare = dataclasses.replace(ctx, correction=Correction())
+    name_to_config = {}
+    for role, shapes in shape.role_to_parallel.items():
+        for index, parallel in enumerate(shapes):
+            name_to_config[local_instance_name(role, index)] = (role, Config(parallel.tp, parallel.pp))
+    kind_to_pairs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in KINDS}
+    for name, items in name_to_iterations.items():
+        if name not in name_to_config:
+            raise ValueError(f"iterations of instance {name!r}, which the deployment "
+                             f"({shape.describe()}) does not have: {sorted(name_to_config)}")
+        role, config = name_to_config[name]
+        serving_mode = "colocated" if role == "colocated" else "disaggregated"
+        for item in items:
+            kind_to_pairs[item.kind].append((item.seconds, profiled_s(bare, serving_mode, config, item)))
+    return IterationFit(tuple(_phase_fit(kind, pairs) for kind, pairs in kind_to_pairs.items()))
+
+
+def _phase_fit(phase: str, pairs: list[tuple[float, float]]) -> PhaseFit:
+    pairs = [(m, p) for m, p in pairs if p > 0]
+    if not pairs:
+        return PhaseFit(phase, 0, 0.0, 0.0, math.nan, math.nan)
+    ratios = np.array([m / p for m, p in pairs])
+    return PhaseFit(phase, len(pairs), sum(m for m, _ in pairs), sum(p for _, p in pairs),
+                    float(np.percentile(ratios, 10)), float(np.percentile(ratios, 90)))
+

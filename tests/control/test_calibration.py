@@ -1,0 +1,161 @@
+"""The profile held to a deployment's own iterations (`local.calibration`), and
+`distserve fidelity` calibrating on another sample before it compares, its knee judged
+in steady state (the deployment, the load generator and the instances' iteration logs
+replaced by fakes)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from distserve.cli.fidelity import (
+    CALIBRATION_KNEE_FACTOR,
+    KNEE_TRACE_REQUESTS,
+    WARMUP_REQUESTS,
+    _sample_trace,
+    compare_deployment,
+)
+from distserve.latency import Correction
+from distserve.local.calibration import fit_iterations, profiled_s
+from distserve.local.load import Outcome
+from distserve.local.prediction import LocalShape, engine_context, predicted_knee_rps
+from distserve.local.settings import instance_counts, instance_parallel, serve_settings
+from distserve.search import build_context
+from distserve.search.candidates import Config
+from distserve.spec import load_manifest
+from distserve_engine.instance.iterations import Iteration
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+PREFILL_BATCHES = [(300,), (97, 120), (500,), (64, 64, 64)]
+DECODE_BATCHES = [(200,), (150, 301, 80), (90,) * 8, (400, 33)]
+
+
+def deployment(num_colocated: int):
+    spec = load_manifest(EXAMPLES / "local.yaml").spec
+    settings = serve_settings(spec, instance_counts(spec, None, num_colocated), "t", "/model",
+                              instance_parallel(spec, None, num_colocated), None)
+    return spec, LocalShape.from_settings(settings), engine_context(build_context(spec), settings)
+
+
+def timed(ctx, serving_mode: str, kind: str, batches, factor: float) -> list[Iteration]:
+    """Iterations that ran `factor` times the profile's time for their batch."""
+    out = []
+    for i, lens in enumerate(batches):
+        profiled = profiled_s(ctx, serving_mode, Config(1, 1), Iteration(kind, 0.0, 0.0, lens))
+        out.append(Iteration(kind, float(i), profiled * factor, lens))
+    return out
+
+
+def test_iterations_that_ran_a_known_factor_slower_give_that_factor_per_phase():
+    _, shape, ctx = deployment(0)
+    iterations = {"prefill-0": timed(ctx, "disaggregated", "prefill", PREFILL_BATCHES, 1.3),
+                  "decode-0": timed(ctx, "disaggregated", "decode", DECODE_BATCHES, 0.8)}
+    fit = fit_iterations(ctx, shape, iterations)
+    by_phase = {f.phase: f for f in fit.phases}
+    assert by_phase["prefill"].factor == pytest.approx(1.3)
+    assert by_phase["decode"].factor == pytest.approx(0.8)
+    assert (by_phase["prefill"].p10, by_phase["prefill"].p90) == pytest.approx((1.3, 1.3))
+    assert (by_phase["prefill"].num_iterations, by_phase["decode"].num_iterations) == (4, 4)
+    assert (fit.correction.prefill_factor, fit.correction.decode_factor) == pytest.approx((1.3, 0.8))
+    assert "prefill x1.30 (per iteration x1.30-1.30, 4 iterations)" in fit.describe()
+    # a context already corrected is fitted against the profile as measured
+    corrected = dataclasses.replace(ctx, correction=Correction(2.0, 2.0))
+    assert fit_iterations(corrected, shape, iterations).correction == fit.correction
+
+
+def test_the_ratio_weighs_each_iteration_by_its_time():
+    _, shape, ctx = deployment(0)
+    short, long = timed(ctx, "disaggregated", "prefill", [(32,)], 2.0), \
+        timed(ctx, "disaggregated", "prefill", [(512,)], 1.0)
+    fit = fit_iterations(ctx, shape, {"prefill-0": short + long})
+    prefill = next(f for f in fit.phases if f.phase == "prefill")
+    assert (prefill.p10, prefill.p90) == pytest.approx((1.1, 1.9))
+    assert 1.0 < prefill.factor < 1.2  # the long batch is most of the time
+
+
+def test_a_colocated_instance_is_fitted_per_kind_with_the_colocated_profile():
+    _, shape, ctx = deployment(2)
+    iterations = {
+        "colocated-0": timed(ctx, "colocated", "prefill", PREFILL_BATCHES, 1.5)
+        + timed(ctx, "colocated", "decode", DECODE_BATCHES, 1.1),
+        "colocated-1": timed(ctx, "colocated", "decode", DECODE_BATCHES[:2], 1.1),
+    }
+    fit = fit_iterations(ctx, shape, iterations)
+    assert (fit.correction.prefill_factor, fit.correction.decode_factor) == pytest.approx((1.5, 1.1))
+    assert [f.num_iterations for f in fit.phases] == [4, 6]
+
+
+def test_a_phase_with_no_iterations_is_left_as_profiled_and_a_stranger_is_an_error():
+    _, shape, ctx = deployment(0)
+    fit = fit_iterations(ctx, shape, {"prefill-0": timed(ctx, "disaggregated", "prefill",
+                                                         PREFILL_BATCHES, 1.2)})
+    assert (fit.correction.prefill_factor, fit.correction.decode_factor) == pytest.approx((1.2, 1.0))
+    assert "decode: no iterations (x1.00)" in fit.describe()
+    with pytest.raises(ValueError, match=r"instance 'decode-3'.*\['decode-0', 'prefill-0'\]"):
+        fit_iterations(ctx, shape, {"decode-3": []})
+
+
+class SlowPrefillDeployment:
+    """A fake deployment whose runners ran prefill 1.5x and decode 1.0x the profile: every
+    request it is sent is answered at once, and each prefill of the calibration is logged."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx, self.sent = ctx, []
+        self.iterations: dict[str, list[Iteration]] = {"prefill-0": [], "decode-0": []}
+
+    def drive(self, url, requests):
+        import time
+
+        self.sent.append(list(requests))
+        now = time.time()
+        for r in requests:
+            self.iterations["prefill-0"] += timed(self.ctx, "disaggregated", "prefill",
+                                                  [(r.prompt_tokens,)], 1.5)
+            self.iterations["decode-0"] += timed(self.ctx, "disaggregated", "decode",
+                                                 [(r.prompt_tokens + 1,)], 1.0)
+        for items in self.iterations.values():  # logged during this replay
+            items[:] = [dataclasses.replace(i, started_s=now) for i in items]
+        return [Outcome(r.req_id, r.prompt_tokens, r.output_tokens, 1.0, 0.1, r.output_tokens)
+                for r in requests]
+
+
+def test_fidelity_calibrates_on_another_sample_then_judges_the_knee_with_the_correction(capsys):
+    spec, shape, ctx = deployment(0)
+    knee_trace = _sample_trace(spec, KNEE_TRACE_REQUESTS)
+    trace, calibration = knee_trace.at_rate(1.0, 12), _sample_trace(spec, 10, skip=12)
+    fake = SlowPrefillDeployment(ctx)
+
+    def launch(settings, port):
+        return contextlib.nullcontext(SimpleNamespace(url=f"http://127.0.0.1:{port}"))
+
+    rows = compare_deployment(spec, None, "local", "/model", 0, trace, None, 18000,
+                              drive_fn=fake.drive, launch=launch, knee_trace=knee_trace,
+                              calibration=calibration, iterations_fn=lambda _: fake.iterations)
+    out = capsys.readouterr().out
+    warmup, calibrated, *replays = fake.sent
+    assert len(warmup) == WARMUP_REQUESTS and len(replays) == 3
+    assert [r.prompt_tokens for r in calibrated] == calibration.prompt_tokens.tolist()
+    assert calibration.prompt_tokens.tolist() == knee_trace.prompt_tokens.tolist()[12:22]
+    assert calibration.arrival_s[0] == pytest.approx(knee_trace.arrival_s[12] - knee_trace.arrival_s[11])
+    uncorrected_knee, _ = predicted_knee_rps(ctx, shape, knee_trace, 1.0)
+    rate = calibration.arrival_s[-1] / calibrated[-1].arrival_s  # sampled at 1 req/s
+    assert rate == pytest.approx(uncorrected_knee * CALIBRATION_KNEE_FACTOR, rel=1e-2)
+    assert "prefill x1.50" in out and "decode x1.00" in out
+    knee = float(re.search(r"simulated knee ([\d.]+) req/s", out).group(1))
+    corrected = dataclasses.replace(ctx, correction=Correction(1.5, 1.0))
+    assert knee == pytest.approx(predicted_knee_rps(corrected, shape, knee_trace, 1.0)[0], rel=2e-2)
+    assert knee < uncorrected_knee * 0.8  # prefill is the bottleneck: 1.5x slower, a lower knee
+    assert len(rows) == 3 and out.count("with the profile as measured: attainment") == 3
+
+
+def test_the_knee_is_judged_in_steady_state_not_on_a_burst_that_drains():
+    spec, shape, ctx = deployment(2)
+    burst_knee, _ = predicted_knee_rps(ctx, shape, _sample_trace(spec, 12), 1.0)
+    steady_knee, _ = predicted_knee_rps(ctx, shape, _sample_trace(spec, KNEE_TRACE_REQUESTS), 1.0)
+    # twelve requests at a high rate arrive as one burst that drains within the TTFT SLO
+    assert steady_knee < 0.8 * burst_knee

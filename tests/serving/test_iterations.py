@@ -1,0 +1,87 @@
+"""Each instance keeps its runner's batches timed, in the lengths the latency profile
+times (prefill: tokens computed per sequence; decode: each context with the new token),
+and serves them at GET /debug/iterations."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+from fastapi.testclient import TestClient
+from test_instances import make_requests, make_runner, run_disaggregated
+
+from distserve_engine.instance.client import LocalInstanceClient
+from distserve_engine.instance.colocated import ColocatedInstance
+from distserve_engine.instance.decode import DecodeInstance
+from distserve_engine.instance.iterations import Iteration
+from distserve_engine.instance.prefill import PrefillInstance
+from distserve_engine.router import Router
+from distserve_engine.sampling import SamplingParams
+from distserve_engine.server.instance_app import build_instance_app
+from distserve_engine.transfer import KVFetcher, inprocess
+
+MAX_TOKENS = 6
+
+
+def expected_decode_lens(requests) -> Counter:
+    """A request of P prompt tokens gets its first token from the prefill, then decodes
+    MAX_TOKENS - 1 steps whose contexts (with the new token) are P + 1 ... P + MAX_TOKENS - 1."""
+    return Counter(len(r.prompt_token_ids) + k for r in requests for k in range(1, MAX_TOKENS))
+
+
+def kinds_and_lens(items: list[Iteration], kind: str) -> Counter:
+    return Counter(n for item in items if item.kind == kind for n in item.lens)
+
+
+def test_prefill_and_decode_instances_keep_every_batch_in_the_profiles_terms(tiny_llama):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    prefill = PrefillInstance("p0", make_runner(tiny_llama), max_prefill_tokens=16).start()
+    decode = DecodeInstance("d0", make_runner(tiny_llama), KVFetcher(), max_batch_size=4).start()
+    inprocess.register(prefill)
+    try:
+        requests = make_requests(decode.runner, params)
+        router = Router([LocalInstanceClient(prefill)], [LocalInstanceClient(decode)])
+        asyncio.run(run_disaggregated(router, requests))
+        prefilled, decoded = prefill.iterations.recent(), decode.iterations.recent()
+        assert {i.kind for i in prefilled} == {"prefill"} and {i.kind for i in decoded} == {"decode"}
+        assert kinds_and_lens(prefilled, "prefill") == Counter(len(r.prompt_token_ids) for r in requests)
+        assert all(sum(i.lens) <= 16 for i in prefilled)  # batches within Lm
+        assert kinds_and_lens(decoded, "decode") == expected_decode_lens(requests)
+        assert max(len(i.lens) for i in decoded) > 1  # requests were decoded together
+        assert all(i.seconds > 0 for i in prefilled + decoded)
+        starts = [i.started_s for i in decoded]
+        assert starts == sorted(starts)
+
+        served = TestClient(build_instance_app(decode)).get("/debug/iterations", params={"limit": 3})
+        assert served.status_code == 200
+        assert [Iteration.from_dict(doc) for doc in served.json()] == decoded[-3:]
+        bad = TestClient(build_instance_app(decode)).get("/debug/iterations", params={"limit": 0})
+        assert bad.status_code == 422
+    finally:
+        prefill.stop()
+        decode.stop()
+        inprocess.unregister(prefill)
+
+
+def test_a_colocated_instance_keeps_its_prefills_and_its_decode_steps_apart(tiny_llama):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    colocated = ColocatedInstance("c0", make_runner(tiny_llama), max_prefill_tokens=64,
+                                  max_batch_size=4).start()
+    try:
+        requests = make_requests(colocated.runner, params)
+        asyncio.run(run_disaggregated(Router([], [], [LocalInstanceClient(colocated)]), requests))
+        items = colocated.iterations.recent()
+        assert kinds_and_lens(items, "prefill") == Counter(len(r.prompt_token_ids) for r in requests)
+        assert kinds_and_lens(items, "decode") == expected_decode_lens(requests)
+    finally:
+        colocated.stop()
+
+
+def test_an_iteration_document_names_what_is_wrong():
+    good = {"kind": "decode", "started_s": 1.0, "seconds": 0.05, "lens": [12, 30]}
+    assert Iteration.from_dict(good) == Iteration("decode", 1.0, 0.05, (12, 30))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Iteration.from_dict({**good, "kind": "mixed"})
+    with pytest.raises(ValueError, match="needs kind, started_s, seconds and lens"):
+        Iteration.from_dict({"kind": "decode"})
