@@ -60,14 +60,18 @@ class ProfileGrid:
     def default(cls, max_prefill_tokens: int = 512, max_decode_batch: int = 32,
                 max_context_len: int = 512, repeats: int = 3) -> ProfileGrid:
         """Powers of two up to the given bounds, plus batches of 2-8 equal prompts that
-        fill max_prefill_tokens (they separate the S1 and S2 terms)."""
+        fill max_prefill_tokens (they separate the S1 and S2 terms); decode batch sizes
+        also at three times each power of two (3, 6, 12, ...): on the CPU a linear of 3
+        rows or more runs another weight layout than one of 1-2 rows, and a decode fit
+        whose small side saw only batches of 1 and 2 put a batch of 3 ~40% high."""
         lens = _powers_of_two(16, max_prefill_tokens)
         singles = [(n,) for n in lens]
         filled = [(n,) * (max_prefill_tokens // n) for n in lens if 2 <= max_prefill_tokens // n <= 8]
         contexts = _powers_of_two(64, max_context_len)
         return cls(
             prefill_batches=tuple(singles + filled),
-            decode_batch_sizes=tuple(_powers_of_two(1, max_decode_batch)),
+            decode_batch_sizes=tuple(sorted(set(_powers_of_two(1, max_decode_batch)) | {
+                3 * n for n in _powers_of_two(1, max_decode_batch // 3) if n})),
             decode_context_lens=tuple(sorted({contexts[0], contexts[len(contexts) // 2], contexts[-1]})),
             repeats=repeats,
         )

@@ -10,7 +10,9 @@ exactly or loosely (4x the true length); the simulator sees only the true length
 the decisions must not differ. Compared: the requests of each prefill batch (recomputed
 ones included), the members of each run of decode steps in admission order, and the
 requests preempted, in order. Dispatch: the router's `pick_decode` and the simulator's
-`hand_to_decode` choose the same decode instance for the same loads.
+`hand_to_decode` choose the same decode instance for the same loads, and the router's
+`pick_prefill` over colocated instances the same one the colocated simulator queues a
+new request on.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from distserve.simulator import batch as sim_batch  # noqa: E402
 from distserve.simulator import colocated as sim_colocated  # noqa: E402
 from distserve.simulator import disaggregated as sim_disaggregated  # noqa: E402
 from distserve_engine.block_manager import BlockManager  # noqa: E402
-from distserve_engine.dispatch import Slot, pick_decode  # noqa: E402
+from distserve_engine.dispatch import Slot, pick_decode, pick_prefill  # noqa: E402
 from distserve_engine.instance.colocated import ColocatedInstance  # noqa: E402
 from distserve_engine.instance.decode import DecodeInstance  # noqa: E402
 from distserve_engine.instance.prefill import PrefillInstance  # noqa: E402
@@ -394,6 +396,51 @@ def engine_pick(decodes: list[tuple[str, int, float]], max_batch: int, can_cross
 def test_router_and_simulator_dispatch_alike(name, decodes, max_batch, expected, can_cross):
     assert (engine_pick(decodes, max_batch, can_cross) == sim_pick(decodes, max_batch, can_cross)
             == expected)
+
+
+# (colocated instances as (prompt tokens in flight, requests in flight), the one both
+#  must pick): requests in flight are those sent and not finished, decoding ones too.
+COLOCATED_DISPATCH_CASES = [
+    ("an idle instance over one that decodes a request", [(300, 1), (0, 0)], 1),
+    ("fewer prompt tokens in flight", [(500, 1), (200, 2)], 1),
+    ("ties in tokens go to fewer requests", [(300, 2), (300, 1)], 1),
+    ("ties in both go to the first", [(100, 1), (100, 1)], 0),
+]
+
+
+def sim_colocated_pick(instances: list[tuple[int, int]]) -> int:
+    """The colocated instance the simulator queues a newly arrived request on."""
+    trace = make_trace(Case("one", (10,), (2,), 1, kv_tokens=1000))
+    sim = sim_colocated._Sim(trace, None, max_batch_tokens=512)
+    queued = []
+    for i, (tokens, count) in enumerate(instances):
+        instance = sim_colocated._Instance(sim, make_model(Case("one", (10,), (2,), 1, 1000)), 8, None)
+        instance.num_outstanding_tokens, instance.num_outstanding = tokens, count
+        for lane in instance.lanes:
+            lane.enqueue = lambda rid, idx=i: queued.append(idx)
+        sim.instances.append(instance)
+    sim.arrive(0)
+    return queued[0]
+
+
+@pytest.mark.parametrize("name, instances, expected", COLOCATED_DISPATCH_CASES,
+                         ids=[c[0] for c in COLOCATED_DISPATCH_CASES])
+def test_router_and_simulator_pick_a_colocated_instance_alike(name, instances, expected):
+    slots = [Slot(SimpleNamespace(name=f"c{i}", node=None), num_outstanding=n,
+                  num_outstanding_tokens=tokens) for i, (tokens, n) in enumerate(instances)]
+    assert slots.index(pick_prefill(slots, "colocated")) == sim_colocated_pick(instances) == expected
+
+
+def test_the_simulator_counts_a_colocated_request_in_flight_until_its_last_token():
+    trace = make_trace(Case("two", (10, 20), (3, 2), 2, kv_tokens=1000))
+    sim = sim_colocated._Sim(trace, None, max_batch_tokens=512)
+    model = make_model(Case("two", (10, 20), (3, 2), 2, 1000))
+    sim.instances = [sim_colocated._Instance(sim, model, 8, None) for _ in range(2)]
+    sim.arrive(0)
+    sim.arrive(1)  # the first is in flight on instance 0: the second goes to instance 1
+    assert [(i.num_outstanding_tokens, i.num_outstanding) for i in sim.instances] == [(10, 1), (20, 1)]
+    sim.loop.run()
+    assert [(i.num_outstanding_tokens, i.num_outstanding) for i in sim.instances] == [(0, 0), (0, 0)]
 
 
 def test_simulator_imports_no_torch():

@@ -42,7 +42,8 @@ def test_one_trace_at_three_rates_around_the_knee_measured_beside_simulated(num_
         return contextlib.nullcontext(SimpleNamespace(url=f"http://127.0.0.1:{port}"))
 
     rows = compare_deployment(spec, None, "local", "/model", num_colocated, trace, None, 18000,
-                              drive_fn=client, launch=launch)
+                              drive_fn=client, launch=launch,
+                              iterations_fn=lambda _: {})
     out = capsys.readouterr().out
     assert launched == [{"colocated": 2} if num_colocated else {"prefill": 1, "decode": 1}]
     knee = float(re.search(r"simulated knee ([\d.]+) req/s", out).group(1))

@@ -83,7 +83,8 @@ def test_fidelity_compares_a_mixed_plan_with_its_simulated_figures(capsys):
 
     rows = compare_deployment(spec, make_mixed_plan(), "local", "/model", 0,
                               _sample_trace(spec, 12), [0.1], 18000,
-                              drive_fn=answer_at_once, launch=launch)
+                              drive_fn=answer_at_once, launch=launch,
+                              iterations_fn=lambda _: {})
     out = capsys.readouterr().out
     ((rate, _, predicted, _),) = rows
     assert rate == 0.1 and predicted.num_requests == 12

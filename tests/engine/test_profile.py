@@ -62,6 +62,21 @@ def test_decode_fit_keeps_one_line_when_a_split_does_not_help():
     assert large_from > 8
 
 
+def test_the_default_grid_times_decode_batches_on_both_sides_of_the_cpu_layout_switch():
+    # a CPU linear of 3 rows or more runs another weight layout than one of 1-2 rows
+    assert ProfileGrid.default().decode_batch_sizes == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+    assert ProfileGrid.default(max_decode_batch=4).decode_batch_sizes == (1, 2, 3, 4)
+    assert ProfileGrid.default(max_decode_batch=2).decode_batch_sizes == (1, 2)
+    # a step whose cost jumps from 3 rows on is split there, the small side fitted on 1-2
+    points = [(b * ctx, b) for b in (1, 2, 3, 4, 6, 8) for ctx in (64, 256, 512)]  # (T, B)
+    timings = make_timings((30.0, 0.01, 10.0), [p for p in points if p[1] < 3]) + \
+        make_timings((45.0, 0.015, 1.0), [p for p in points if p[1] >= 3])
+    small_abc, large_abc, large_from = fit_decode(timings)
+    assert large_from == 3
+    assert small_abc == pytest.approx((30.0, 0.01, 10.0), rel=1e-6)
+    assert large_abc == pytest.approx((45.0, 0.015, 1.0), rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def tiny_runner(tiny_llama_dir):
     """The tiny Llama on one thread, as `distserve up` runs an instance on the CPU."""

@@ -211,14 +211,19 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
         _log(f"  {shape.describe()} serving at {launcher.url}")
         _drive(launcher.url, spec, trace.at_rate(1.0), drive_fn, WARMUP_REQUESTS)
         ctx = profiled
+
+        def iterations_since(started_s: float):
+            """The fit of the iterations the instances ran since started_s."""
+            return fit_iterations(profiled, shape, {
+                name: [i for i in items if i.started_s >= started_s]
+                for name, items in iterations_fn(launcher).items()})
+
         if calibration is not None:
             knee_rps, _ = _knee(profiled, shape, knee_trace, estimate_rps)
             rate = round(max(knee_rps, 0.01) * CALIBRATION_KNEE_FACTOR, 3)
             started_s = time.time()
             _drive(launcher.url, spec, calibration.at_rate(rate), drive_fn)
-            fit = fit_iterations(profiled, shape, {
-                name: [i for i in items if i.started_s >= started_s]
-                for name, items in iterations_fn(launcher).items()})
+            fit = iterations_since(started_s)
             ctx = dataclasses.replace(profiled, correction=fit.correction)
             _say(f"\n{shape.describe()}: calibration, {calibration.num_requests} requests of another "
                  f"sample at {rate:g} req/s; the runner's iterations against the profile's time "
@@ -234,13 +239,15 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
         _say(f"\n{shape.describe()}: simulated knee {knee_rps:.3f} req/s{why}; rates "
              + ", ".join(f"{r:g}" for r in at_rates) + " req/s")
         for rate in at_rates:
+            started_s = time.time()
             row = _compare_at(launcher.url, spec, ctx, shape, trace, rate, drive_fn)
             rows.append(row)
             text = format_comparison(shape.describe(), *row, spec.slo.attainment)
             if ctx is not profiled:
                 text += "\n" + format_uncorrected(predict_run(profiled, shape, requests_of(
                     trace.at_rate(rate)), rate))
-            _say(text)
+            _say(text + f"\n  this run's iterations against the profile: "
+                 f"{iterations_since(started_s).describe()}")
     return rows
 
 

@@ -7,7 +7,9 @@ Two iteration policies on the same instance model, both with continuous batching
 - chunked prefill (Sarathi / DeepSpeed-MII-style): each iteration takes up to
   `chunk_size` prompt tokens, FCFS, a prompt possibly spread over several iterations,
   and piggybacks one decode step of every running request on it.
-A new request goes to the instance with the shortest waiting queue. An instance with
+A new request goes to the instance with the fewest prompt tokens in flight (requests sent
+there and not finished; ties: fewer requests, then the lowest-numbered), as the engine's
+router picks a colocated instance (`dispatch.pick_prefill`). An instance with
 pp stages runs pp lanes (micro-batches) that share its KV memory. KV grows with the
 sequences as on the engine's colocated instance (`distserve_engine.policy`): a waiting
 request is admitted when its prefill's tokens fit beside the running requests' next
@@ -35,10 +37,10 @@ class _Instance:
         self.sim, self.inst, self.max_batch = sim, inst, max_batch
         self.promised_tokens = 0  # admitted, not yet in a lane's batch (being prefilled)
         self.count = 0  # admitted and not finished or preempted
+        # what the router counts: requests sent here and not finished, their prompt tokens
+        self.num_outstanding = 0
+        self.num_outstanding_tokens = 0
         self.lanes = [_Lane(sim, self, chunk_size) for _ in range(inst.pp)]
-
-    def waiting(self) -> int:
-        return sum(len(lane.waiting) for lane in self.lanes)
 
     def budget_tokens(self, lane: _Lane | None = None) -> int:
         """KV tokens free for `lane`'s batch (for a newcomer when None)."""
@@ -96,7 +98,7 @@ class _Lane:
         now = self.sim.loop.now
         sim, batch = self.sim, self.run.batch
         for rid, first_s in finished:
-            sim.rec.finish(rid, now, first_s)
+            sim.finish(rid, now, first_s, self.instance)
             self.instance.release(rid, self)
         budget = self.instance.budget_tokens(self)
         while batch.size and batch.total_context() > budget:  # the next step does not fit
@@ -188,7 +190,7 @@ class _Lane:
             else:
                 steps_left = sim.steps_left[rid] - 1
             if steps_left == 0:
-                sim.rec.finish(rid, now, sim.first_token_s[rid])
+                sim.finish(rid, now, sim.first_token_s[rid], self.instance)
                 self.instance.release(rid, self)
             else:
                 batch.add(rid, sim.held[rid] + 1, steps_left, sim.first_token_s[rid])
@@ -207,8 +209,16 @@ class _Sim:
         self.instances: list[_Instance] = []
 
     def arrive(self, rid: int) -> None:
-        instance = min(self.instances, key=lambda i: i.waiting())
+        instance = min(self.instances, key=lambda i: (i.num_outstanding_tokens, i.num_outstanding))
+        instance.num_outstanding += 1
+        instance.num_outstanding_tokens += self.prompt[rid]
         min(instance.lanes, key=lambda lane: len(lane.waiting) + lane.run.batch.size).enqueue(rid)
+
+    def finish(self, rid: int, now: float, first_s: float, instance: _Instance) -> None:
+        """The request's last token: recorded, and no longer counted where it was sent."""
+        self.rec.finish(rid, now, first_s)
+        instance.num_outstanding -= 1
+        instance.num_outstanding_tokens -= self.prompt[rid]
 
 
 def simulate_colocated(
