@@ -152,6 +152,7 @@ def test_fidelity_calibrates_on_another_sample_then_judges_the_knee_with_the_cor
     assert knee < uncorrected_knee * 0.8  # prefill is the bottleneck: 1.5x slower, a lower knee
     assert len(rows) == 3 and out.count("with the profile as measured: attainment") == 3
     assert out.count("this run's iterations against the profile: prefill x1.50") == 3
+    assert out.count("with this run's own factors: attainment") == 3
 
 
 def test_the_knee_is_judged_in_steady_state_not_on_a_burst_that_drains():

@@ -15,7 +15,8 @@ decode instances, then `--colocated N` colocated instances (the baseline). Per d
    Beside each measured figure (attainment, TTFT and TPOT p50 and p90) it prints the
    simulator's for the same requests at the same times, the gap, whether the gap is within
    the goal (attainment within 2 points, percentiles within 10%), the simulator's figures
-   with the profile as measured, and the 1-minute load average over the run.
+   with the profile as measured and with the run's own iteration factors (the latency
+   model's error told from the rest), and the 1-minute load average over the run.
 The latency profile is the one `distserve up` plans with (this machine's, measured on
 first use and cached; `--profile FILE`, `--no-measure`); its fit error is printed first.
 """
@@ -243,11 +244,17 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             row = _compare_at(launcher.url, spec, ctx, shape, trace, rate, drive_fn)
             rows.append(row)
             text = format_comparison(shape.describe(), *row, spec.slo.attainment)
+            sent = requests_of(trace.at_rate(rate))
             if ctx is not profiled:
-                text += "\n" + format_uncorrected(predict_run(profiled, shape, requests_of(
-                    trace.at_rate(rate)), rate))
-            _say(text + f"\n  this run's iterations against the profile: "
-                 f"{iterations_since(started_s).describe()}")
+                text += "\n" + format_other("with the profile as measured",
+                                             predict_run(profiled, shape, sent, rate))
+            run_fit = iterations_since(started_s)
+            text += f"\n  this run's iterations against the profile: {run_fit.describe()}"
+            if any(fit.num_iterations for fit in run_fit.phases):
+                own = dataclasses.replace(profiled, correction=run_fit.correction)
+                text += "\n" + format_other("with this run's own factors",
+                                             predict_run(own, shape, sent, rate))
+            _say(text)
     return rows
 
 
@@ -352,8 +359,9 @@ def format_comparison(what: str, rate: float, measured, predicted, load: tuple[f
     return "\n".join(lines)
 
 
-def format_uncorrected(predicted) -> str:
-    """The simulator's figures with the profile as measured (before calibration)."""
-    return (f"  with the profile as measured: attainment {predicted.attainment:6.1%}, "
+def format_other(what: str, predicted) -> str:
+    """The simulator's figures under another correction (the profile as measured, or a
+    run's own iteration factors), to tell the latency model's error from the rest."""
+    return (f"  {what}: attainment {predicted.attainment:6.1%}, "
             f"TTFT p50/p90 {predicted.ttft_p_s[50]:.3f}/{predicted.ttft_p_s[90]:.3f} s, "
             f"TPOT p50/p90 {predicted.tpot_p_s[50]:.3f}/{predicted.tpot_p_s[90]:.3f} s")
