@@ -153,6 +153,9 @@ def test_fidelity_calibrates_on_another_sample_then_judges_the_knee_with_the_cor
     assert len(rows) == 3 and out.count("with the profile as measured: attainment") == 3
     assert out.count("this run's iterations against the profile: prefill x1.50") == 3
     assert out.count("with this run's own factors: attainment") == 3
+    # each rate after the first is predicted with the factors of the run just before it
+    sources = re.findall(r"simulated with the factors of (.*?): prefill x1.50", out)
+    assert sources == ["the calibration"] + [f"the run at {r:g} req/s" for r, *_ in rows[:2]]
 
 
 def test_the_knee_is_judged_in_steady_state_not_on_a_burst_that_drains():

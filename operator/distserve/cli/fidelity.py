@@ -3,11 +3,13 @@
 Samples the spec's workload (lengths, Poisson arrivals at 1 req/s scaled to each rate)
 and replays it on the deployment as `distserve up` launches it: the plan's prefill and
 decode instances, then `--colocated N` colocated instances (the baseline). Per deployment:
-1. Calibration (`--calibrate-requests`, 0 to skip): another sample of the workload at
-   half the simulated knee (the requests after those replayed); every batch the instances' runners ran is set beside the
+1. Calibration (`--calibrate-requests`, 0 to skip): the requests after those replayed, at
+   half the simulated knee; every batch the instances' runners ran is set beside the
    profile's time for the same batch (`local.calibration`), and the ratio per phase is a
-   correction the simulator runs with from then on. The profile times a bare runner;
-   serving shares its cores with HTTP threads, KV exports, the router and the clients.
+   correction the simulator runs with. The profile times a bare runner; serving shares
+   its cores with HTTP threads, KV exports, the router and the clients. Each later rate
+   is predicted with the factors of the run just before it (the calibration, then the
+   previous rate): this machine's speed drifts by ~10% within minutes.
 2. The knee: the highest rate at which the simulator meets the SLO target in steady state,
    judged on KNEE_TRACE_REQUESTS requests (a short trace scaled to a high rate is one
    burst that drains, not a rate the deployment sustains).
@@ -186,7 +188,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     launch(settings, port) -> a context manager with .url, and iterations_fn(launcher) ->
     {instance name: [Iteration]} replace the HTTP load generator, the processes and the
     instances' /debug/iterations (tests)."""
-    from distserve.local.calibration import fit_iterations
+    from distserve.local.calibration import fetch_iterations, fit_iterations
     from distserve.local.launcher import LocalLauncher
     from distserve.local.prediction import (
         KNEE_DROP,
@@ -207,7 +209,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     knee_trace = knee_trace or trace
     rows = []
     launch = launch or (lambda settings, port: LocalLauncher(settings, port=port))
-    iterations_fn = iterations_fn or _fetch_iterations
+    iterations_fn = iterations_fn or fetch_iterations
     with launch(settings, port) as launcher:
         _log(f"  {shape.describe()} serving at {launcher.url}")
         _drive(launcher.url, spec, trace.at_rate(1.0), drive_fn, WARMUP_REQUESTS)
@@ -239,6 +241,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                f"is where that falls to {judged_by:.0%})")
         _say(f"\n{shape.describe()}: simulated knee {knee_rps:.3f} req/s{why}; rates "
              + ", ".join(f"{r:g}" for r in at_rates) + " req/s")
+        factors_from = "the calibration"
         for rate in at_rates:
             started_s = time.time()
             row = _compare_at(launcher.url, spec, ctx, shape, trace, rate, drive_fn)
@@ -246,14 +249,19 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             text = format_comparison(shape.describe(), *row, spec.slo.attainment)
             sent = requests_of(trace.at_rate(rate))
             if ctx is not profiled:
+                c = ctx.correction
+                text += (f"\n  simulated with the factors of {factors_from}: prefill "
+                         f"x{c.prefill_factor:.2f}, decode x{c.decode_factor:.2f}")
                 text += "\n" + format_other("with the profile as measured",
                                              predict_run(profiled, shape, sent, rate))
             run_fit = iterations_since(started_s)
             text += f"\n  this run's iterations against the profile: {run_fit.describe()}"
-            if any(fit.num_iterations for fit in run_fit.phases):
+            if all(fit.num_iterations for fit in run_fit.phases):
                 own = dataclasses.replace(profiled, correction=run_fit.correction)
                 text += "\n" + format_other("with this run's own factors",
                                              predict_run(own, shape, sent, rate))
+                if calibration is not None:  # the next rate is predicted with the freshest
+                    ctx, factors_from = own, f"the run at {rate:g} req/s"
             _say(text)
     return rows
 
@@ -262,23 +270,6 @@ def _knee(ctx, shape, knee_trace, estimate_rps: float) -> tuple[float, float]:
     from distserve.local.prediction import predicted_knee_rps
 
     return predicted_knee_rps(ctx, shape, knee_trace, estimate_rps)
-
-
-def _fetch_iterations(launcher) -> dict:
-    """{instance name: its runner's recent iterations} from each instance process."""
-    import httpx
-
-    from distserve_engine.instance.iterations import ITERATION_HISTORY, Iteration
-
-    out = {}
-    for proc in launcher.procs:
-        if proc.role == "router":
-            continue
-        response = httpx.get(f"{proc.url}/debug/iterations", params={"limit": ITERATION_HISTORY},
-                             timeout=30.0)
-        response.raise_for_status()
-        out[proc.name] = [Iteration.from_dict(doc) for doc in response.json()]
-    return out
 
 
 def _compare_at(url: str, spec, ctx, shape, trace, rate: float, drive_fn) -> tuple:

@@ -233,7 +233,32 @@ def _demo(args, spec, plan, launcher, source) -> int:
     print(format_summary(summary, plan, spec.slo.attainment, predicted))
     if predicted is not None:
         print(f"  predicted with profile {source.describe()}")
+        _print_own_factors(spec, launcher, requests, rate_rps)
     return 0
+
+
+def _print_own_factors(spec, launcher, requests, rate_rps: float) -> None:
+    """The demo's iterations against the profile, and the simulator's figures with those
+    factors: how much of a gap is the latency model's (said why when unavailable)."""
+    import dataclasses
+
+    import httpx
+
+    from distserve.cli.fidelity import format_other
+    from distserve.local.calibration import fetch_iterations, fit_iterations
+    from distserve.local.prediction import LocalShape, engine_context, predict_run
+    from distserve.search import build_context
+
+    try:
+        ctx = engine_context(build_context(spec), launcher.settings)
+        shape = LocalShape.from_settings(launcher.settings)
+        fit = fit_iterations(ctx, shape, fetch_iterations(launcher))
+        own = predict_run(dataclasses.replace(ctx, correction=fit.correction), shape, requests, rate_rps)
+    except (ValueError, httpx.HTTPError) as err:
+        _log(f"demo: the instances' iterations not read ({err})")
+        return
+    print(f"  the runners' iterations against the profile: {fit.describe()}")
+    print(format_other("simulated with these factors", own))
 
 
 def _predicted(spec, settings: ServeSettings, requests, rate_rps: float):

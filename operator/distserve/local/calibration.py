@@ -69,6 +69,24 @@ class IterationFit:
         return "; ".join(fit.describe() for fit in self.phases)
 
 
+def fetch_iterations(launcher) -> dict[str, list[Iteration]]:
+    """{instance name: its runner's recent iterations} from each instance process of a
+    `LocalLauncher` (`GET /debug/iterations`)."""
+    import httpx
+
+    from distserve_engine.instance.iterations import ITERATION_HISTORY
+
+    out = {}
+    for proc in launcher.procs:
+        if proc.role == "router":
+            continue
+        response = httpx.get(f"{proc.url}/debug/iterations", params={"limit": ITERATION_HISTORY},
+                             timeout=30.0)
+        response.raise_for_status()
+        out[proc.name] = [Iteration.from_dict(doc) for doc in response.json()]
+    return out
+
+
 def profiled_s(ctx: SearchContext, serving_mode: str, config: Config, item: Iteration) -> float:
     """The profile's time for this iteration on an instance of this configuration (the
     simulator's own timer: the same figure a simulated batch takes)."""
