@@ -62,10 +62,21 @@ def test_iterations_that_ran_a_known_factor_slower_give_that_factor_per_phase():
     assert (by_phase["prefill"].p10, by_phase["prefill"].p90) == pytest.approx((1.3, 1.3))
     assert (by_phase["prefill"].num_iterations, by_phase["decode"].num_iterations) == (4, 4)
     assert (fit.correction.prefill_factor, fit.correction.decode_factor) == pytest.approx((1.3, 0.8))
-    assert "prefill x1.30 (per iteration x1.30-1.30, 4 iterations)" in fit.describe()
+    assert ("prefill x1.30 (per iteration x1.30-1.30, 4 iterations, 0% of the time between "
+            "runner calls)") in fit.describe()
     # a context already corrected is fitted against the profile as measured
     corrected = dataclasses.replace(ctx, correction=Correction(2.0, 2.0))
     assert fit_iterations(corrected, shape, iterations).correction == fit.correction
+
+
+def test_the_engine_threads_time_between_runner_calls_counts_as_the_iterations():
+    _, shape, ctx = deployment(0)
+    runner_only = timed(ctx, "disaggregated", "decode", DECODE_BATCHES, 1.0)
+    with_overhead = [dataclasses.replace(i, overhead_s=0.25 * i.seconds) for i in runner_only]
+    fit = fit_iterations(ctx, shape, {"decode-0": with_overhead})
+    decode = next(f for f in fit.phases if f.phase == "decode")
+    assert decode.factor == pytest.approx(1.25)
+    assert "decode x1.25" in fit.describe() and "20% of the time between runner calls" in fit.describe()
 
 
 def test_the_ratio_weighs_each_iteration_by_its_time():

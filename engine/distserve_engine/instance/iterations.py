@@ -33,6 +33,14 @@ class Iteration:
     started_s: float  # wall clock (time.time, as `request.now_s`), comparable across processes
     seconds: float  # how long the runner took
     lens: tuple[int, ...]  # prefill: tokens computed per sequence; decode: context + 1 per sequence
+    # the engine thread's time before the call since the last call ended (or since it woke
+    # from waiting for work): commands, scheduling, KV imports, emitting the last tokens
+    overhead_s: float = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        """The engine thread's time this iteration took, its overhead included."""
+        return self.seconds + self.overhead_s
 
     def to_dict(self) -> dict:
         """A JSON-able document."""
@@ -46,7 +54,7 @@ class Iteration:
             if kind not in KINDS:
                 raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
             return cls(kind, float(doc["started_s"]), float(doc["seconds"]),
-                       tuple(int(n) for n in doc["lens"]))
+                       tuple(int(n) for n in doc["lens"]), float(doc.get("overhead_s", 0.0)))
         except (KeyError, TypeError) as err:
             raise ValueError(f"an iteration needs kind, started_s, seconds and lens: {err}") from err
 
@@ -58,14 +66,22 @@ class IterationLog:
     def __init__(self, maxlen: int = ITERATION_HISTORY) -> None:
         self._items: deque[Iteration] = deque(maxlen=maxlen)
         self._lock = threading.Lock()
+        self._free_since = time.perf_counter()  # the last call ended, or the thread woke
+
+    def woke(self) -> None:
+        """The engine thread stopped waiting for work: its overhead counts from now."""
+        self._free_since = time.perf_counter()
 
     def run(self, kind: str, lens: Sequence[int], call: Callable[[], T]) -> T:
         """Run call (the runner's prefill or decode over a batch of these lengths), keep
-        its time, return what it returns. A call that raises is not kept."""
+        its time and the overhead before it, return what it returns. A call that raises
+        is not kept."""
         started_s = time.time()
         started = time.perf_counter()
+        overhead_s = started - self._free_since
         result = call()
-        item = Iteration(kind, started_s, time.perf_counter() - started, tuple(lens))
+        self._free_since = ended = time.perf_counter()
+        item = Iteration(kind, started_s, ended - started, tuple(lens), overhead_s)
         with self._lock:
             self._items.append(item)
         return result

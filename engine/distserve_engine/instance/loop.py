@@ -91,11 +91,15 @@ class InstanceLoop:
     def _run(self) -> None:
         while True:
             with self._wake:
+                waited = False
                 while not self._inbox and not self._is_stopping and not self._has_work():
                     self._wake.wait()
+                    waited = True
                 commands = list(self._inbox)
                 self._inbox.clear()
                 is_stopping = self._is_stopping
+            if waited:
+                self.iterations.woke()
             self._busy_since_s = time.monotonic()
             try:
                 for command in commands:

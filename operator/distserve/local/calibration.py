@@ -2,11 +2,13 @@
 
 The profile is measured on a bare runner (`distserve profile`). Serving adds work on the
 same cores: the instance's HTTP threads, KV exports to decode, the router and the
-clients beside it. Each instance keeps its runner's recent batches timed
-(`GET /debug/iterations`, `distserve_engine.instance.iterations`); here every one of
-them is set beside the time the profile gives the very same batch (its lengths, the
-instance's tp and pp and serving mode), and the ratio of the sums, per phase, is a
-`Correction` the simulator can run with. The ratio of sums weighs each iteration by its
+clients beside it, and on the engine thread itself, between runner calls, scheduling,
+KV imports and emitting tokens. Each instance keeps its runner's recent batches timed,
+with the engine thread's overhead before each (`GET /debug/iterations`,
+`distserve_engine.instance.iterations`); here every one of them is set beside the time
+the profile gives the very same batch (its lengths, the instance's tp and pp and serving
+mode), and the ratio of the sums, per phase, is a `Correction` the simulator can run
+with: a simulated iteration stands for all the time its instance is busy with it. The ratio of sums weighs each iteration by its
 time, as a phase's capacity does; the spread of the per-iteration ratios says how
 steady it is.
 """
@@ -34,8 +36,9 @@ class PhaseFit:
 
     phase: str  # "prefill" or "decode"
     num_iterations: int
-    measured_s: float  # the iterations' measured seconds, summed
+    measured_s: float  # the iterations' measured seconds, overhead included, summed
     profiled_s: float  # the profile's seconds for the same batches, summed
+    overhead_s: float  # of measured_s, the engine thread's time between runner calls
     p10: float  # of the per-iteration ratios
     p90: float
 
@@ -49,7 +52,8 @@ class PhaseFit:
         if not self.num_iterations:
             return f"{self.phase}: no iterations (x1.00)"
         return (f"{self.phase} x{self.factor:.2f} (per iteration x{self.p10:.2f}-{self.p90:.2f}, "
-                f"{self.num_iterations} iterations)")
+                f"{self.num_iterations} iterations, {self.overhead_s / self.measured_s:.0%} of "
+                "the time between runner calls)")
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ def fit_iterations(ctx: SearchContext, shape: LocalShape,
     for role, shapes in shape.role_to_parallel.items():
         for index, parallel in enumerate(shapes):
             name_to_config[local_instance_name(role, index)] = (role, Config(parallel.tp, parallel.pp))
-    kind_to_pairs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in KINDS}
+    kind_to_items: dict[str, list[tuple[Iteration, float]]] = {kind: [] for kind in KINDS}
     for name, items in name_to_iterations.items():
         if name not in name_to_config:
             raise ValueError(f"iterations of instance {name!r}, which the deployment "
@@ -115,15 +119,16 @@ def fit_iterations(ctx: SearchContext, shape: LocalShape,
         role, config = name_to_config[name]
         serving_mode = "colocated" if role == "colocated" else "disaggregated"
         for item in items:
-            kind_to_pairs[item.kind].append((item.seconds, profiled_s(bare, serving_mode, config, item)))
-    return IterationFit(tuple(_phase_fit(kind, pairs) for kind, pairs in kind_to_pairs.items()))
+            kind_to_items[item.kind].append((item, profiled_s(bare, serving_mode, config, item)))
+    return IterationFit(tuple(_phase_fit(kind, pairs) for kind, pairs in kind_to_items.items()))
 
 
-def _phase_fit(phase: str, pairs: list[tuple[float, float]]) -> PhaseFit:
-    pairs = [(m, p) for m, p in pairs if p > 0]
+def _phase_fit(phase: str, pairs: list[tuple[Iteration, float]]) -> PhaseFit:
+    pairs = [(item, p) for item, p in pairs if p > 0]
     if not pairs:
-        return PhaseFit(phase, 0, 0.0, 0.0, math.nan, math.nan)
-    ratios = np.array([m / p for m, p in pairs])
-    return PhaseFit(phase, len(pairs), sum(m for m, _ in pairs), sum(p for _, p in pairs),
+        return PhaseFit(phase, 0, 0.0, 0.0, 0.0, math.nan, math.nan)
+    ratios = np.array([item.busy_s / p for item, p in pairs])
+    return PhaseFit(phase, len(pairs), sum(item.busy_s for item, _ in pairs),
+                    sum(p for _, p in pairs), sum(item.overhead_s for item, _ in pairs),
                     float(np.percentile(ratios, 10)), float(np.percentile(ratios, 90)))
 
