@@ -61,3 +61,25 @@ def test_one_trace_at_three_rates_around_the_knee_measured_beside_simulated(num_
             (line,) = [line for line in block.splitlines() if line.strip().startswith(figure)]
             assert "measured" in line and "simulated" in line and "load " in line
         assert "TTFT p50    measured   1.000 s" in block
+
+
+def test_a_request_that_failed_is_named_with_its_error_not_only_counted(capsys):
+    spec = load_manifest(EXAMPLES / "local.yaml").spec
+    trace = _sample_trace(spec, 6)
+
+    def one_fails(url, requests):
+        out = [Outcome(r.req_id, r.prompt_tokens, r.output_tokens, 1.0, 0.1, r.output_tokens)
+               for r in requests]
+        if len(requests) > WARMUP_REQUESTS:
+            out[3] = Outcome(out[3].req_id, out[3].prompt_tokens, out[3].output_tokens,
+                             status=503, error="no healthy decode instance")
+        return out
+
+    def launch(settings, port):
+        return contextlib.nullcontext(SimpleNamespace(url=f"http://127.0.0.1:{port}"))
+
+    compare_deployment(spec, None, "local", "/model", 0, trace, [0.1], 18000,
+                       drive_fn=one_fails, launch=launch, iterations_fn=lambda _: {})
+    out = capsys.readouterr().out
+    assert "failed at 0.1 req/s (1 request): HTTP 503: no healthy decode instance" in out
+    assert "6 requests, 1 errors" in out

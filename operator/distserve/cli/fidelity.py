@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from distserve.spec import load_manifest
@@ -281,6 +282,10 @@ def _compare_at(url: str, spec, ctx, shape, trace, rate: float, drive_fn) -> tup
     with LoadSampler() as load:
         outcomes = _drive(url, spec, at_rate, drive_fn)
     measured = summarize(outcomes, rate, spec.slo.ttft_seconds, spec.slo.tpot_seconds)
+    failed = Counter(f"HTTP {o.status}: {o.error}" if o.error else "no token received"
+                     for o in outcomes if o.error is not None or o.ttft_s is None)
+    for message, count in failed.most_common():
+        _say(f"  failed at {rate:g} req/s ({count} request{'s' if count > 1 else ''}): {message}")
     predicted = predict_run(ctx, shape, requests_of(at_rate), rate)
     return rate, measured, predicted, load.summary()
 
