@@ -28,10 +28,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import signal
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -47,7 +45,6 @@ CALIBRATION_KNEE_FACTOR = 0.5  # calibrate below the knee: iterations, not queue
 KNEE_TRACE_REQUESTS = 600  # the knee is judged in steady state on at least this many
 DEFAULT_COLOCATED = 2
 WARMUP_REQUESTS = 2  # first requests of a fresh process pay one-time costs: not measured
-LOAD_SAMPLE_S = 1.0
 
 
 def add_arguments(parser) -> None:
@@ -191,13 +188,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     instances' /debug/iterations (tests)."""
     from distserve.local.calibration import fetch_iterations, fit_iterations
     from distserve.local.launcher import LocalLauncher
-    from distserve.local.prediction import (
-        KNEE_DROP,
-        LocalShape,
-        engine_context,
-        predict_run,
-        requests_of,
-    )
+    from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context
     from distserve.local.settings import instance_counts, instance_parallel, serve_settings
     from distserve.search import build_context
 
@@ -242,29 +233,42 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                f"is where that falls to {judged_by:.0%})")
         _say(f"\n{shape.describe()}: simulated knee {knee_rps:.3f} req/s{why}; rates "
              + ", ".join(f"{r:g}" for r in at_rates) + " req/s")
-        factors_from = "the calibration"
+        factors_from = "the calibration" if calibration is not None else None
         for rate in at_rates:
             started_s = time.time()
             row = _compare_at(launcher.url, spec, ctx, shape, trace, rate, drive_fn)
             rows.append(row)
-            text = format_comparison(shape.describe(), *row, spec.slo.attainment)
-            sent = requests_of(trace.at_rate(rate))
-            if ctx is not profiled:
-                c = ctx.correction
-                text += (f"\n  simulated with the factors of {factors_from}: prefill "
-                         f"x{c.prefill_factor:.2f}, decode x{c.decode_factor:.2f}")
-                text += "\n" + format_other("with the profile as measured",
-                                             predict_run(profiled, shape, sent, rate))
-            run_fit = iterations_since(started_s)
-            text += f"\n  this run's iterations against the profile: {run_fit.describe()}"
-            if all(fit.num_iterations for fit in run_fit.phases):
-                own = dataclasses.replace(profiled, correction=run_fit.correction)
-                text += "\n" + format_other("with this run's own factors",
-                                             predict_run(own, shape, sent, rate))
-                if calibration is not None:  # the next rate is predicted with the freshest
-                    ctx, factors_from = own, f"the run at {rate:g} req/s"
-            _say(text)
+            own = _report(spec, shape, trace, row, ctx, profiled, factors_from,
+                          iterations_since(started_s))
+            if calibration is not None and own is not None:  # the next rate: the freshest factors
+                ctx, factors_from = own, f"the run at {rate:g} req/s"
     return rows
+
+
+def _report(spec, shape, trace, row: tuple, ctx, profiled, factors_from: str | None, run_fit):
+    """Print one rate's comparison: measured beside simulated, the factors the prediction
+    used (from `factors_from`, None: the profile as measured) and the figures with the
+    profile as measured, then the run's own iteration factors and the figures with them.
+    Returns the context with the run's own factors, or None when a phase ran no iteration."""
+    from distserve.local.prediction import predict_run, requests_of
+    from distserve.local.report import format_comparison, format_other
+
+    rate = row[0]
+    text = format_comparison(shape.describe(), *row, spec.slo.attainment)
+    sent = requests_of(trace.at_rate(rate))
+    if factors_from is not None:
+        c = ctx.correction
+        text += (f"\n  simulated with the factors of {factors_from}: prefill "
+                 f"x{c.prefill_factor:.2f}, decode x{c.decode_factor:.2f}")
+        text += "\n" + format_other("with the profile as measured",
+                                     predict_run(profiled, shape, sent, rate))
+    text += f"\n  this run's iterations against the profile: {run_fit.describe()}"
+    own = None
+    if all(fit.num_iterations for fit in run_fit.phases):
+        own = dataclasses.replace(profiled, correction=run_fit.correction)
+        text += "\n" + format_other("with this run's own factors", predict_run(own, shape, sent, rate))
+    _say(text)
+    return own
 
 
 def _knee(ctx, shape, knee_trace, estimate_rps: float) -> tuple[float, float]:
@@ -276,7 +280,7 @@ def _knee(ctx, shape, knee_trace, estimate_rps: float) -> tuple[float, float]:
 def _compare_at(url: str, spec, ctx, shape, trace, rate: float, drive_fn) -> tuple:
     """(rate, measured, predicted, load) of one replay at rate."""
     from distserve.local.prediction import predict_run, requests_of
-    from distserve.local.report import summarize
+    from distserve.local.report import LoadSampler, summarize
 
     at_rate = trace.at_rate(rate)
     with LoadSampler() as load:
@@ -303,61 +307,3 @@ def _drive(url: str, spec, trace, drive_fn, limit: int | None = None):
     if limit is not None:
         return [asyncio.run(drive(url, spec.model.name, [r], show_progress=False))[0] for r in requests]
     return asyncio.run(drive(url, spec.model.name, requests, seed=spec.planner.seed))
-
-
-class LoadSampler:
-    """The 1-minute load average at the start, its mean over the run, and at the end."""
-
-    def __init__(self) -> None:
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while True:
-            self.samples.append(os.getloadavg()[0])
-            if self._stop.wait(LOAD_SAMPLE_S):
-                return
-
-    def __enter__(self) -> LoadSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.samples.append(os.getloadavg()[0])
-
-    def summary(self) -> tuple[float, float, float]:
-        """(start, mean, end) of the samples."""
-        return self.samples[0], sum(self.samples) / len(self.samples), self.samples[-1]
-
-
-def format_comparison(what: str, rate: float, measured, predicted, load: tuple[float, float, float],
-                      target: float) -> str:
-    """One rate's block: each figure measured, simulated, the gap and the goal, and the load."""
-    load_text = f"load {load[0]:.1f} -> {load[2]:.1f} (mean {load[1]:.1f})"
-    lines = [f"{what} at {rate:g} req/s: {measured.num_requests} requests, "
-             f"{measured.num_errors} errors (simulated {predicted.num_errors} unfinished); {load_text}; "
-             "gap: simulated less measured"]
-    gap = (predicted.attainment - measured.attainment) * 100  # simulated - measured
-    lines.append(f"  attainment  measured {measured.attainment:6.1%}  simulated {predicted.attainment:6.1%}"
-                 f"  gap {gap:+5.1f} pt  {'within' if abs(gap) <= 2 else 'outside'} 2 pt   "
-                 f"[{load_text}] (target {target:.0%})")
-    for label, m, p in (("TTFT p50", measured.ttft_p_s[50], predicted.ttft_p_s[50]),
-                        ("TTFT p90", measured.ttft_p_s[90], predicted.ttft_p_s[90]),
-                        ("TPOT p50", measured.tpot_p_s[50], predicted.tpot_p_s[50]),
-                        ("TPOT p90", measured.tpot_p_s[90], predicted.tpot_p_s[90])):
-        rel = (p - m) / m if m else float("nan")  # simulated relative to measured
-        verdict = "within" if abs(rel) <= 0.10 else "outside"
-        lines.append(f"  {label}    measured {m:7.3f} s simulated {p:7.3f} s  gap {rel:+6.1%}   "
-                     f"{verdict} 10%   [{load_text}]")
-    return "\n".join(lines)
-
-
-def format_other(what: str, predicted) -> str:
-    """The simulator's figures under another correction (the profile as measured, or a
-    run's own iteration factors), to tell the latency model's error from the rest."""
-    return (f"  {what}: attainment {predicted.attainment:6.1%}, "
-            f"TTFT p50/p90 {predicted.ttft_p_s[50]:.3f}/{predicted.ttft_p_s[90]:.3f} s, "
-            f"TPOT p50/p90 {predicted.tpot_p_s[50]:.3f}/{predicted.tpot_p_s[90]:.3f} s")

@@ -244,9 +244,9 @@ def _print_own_factors(spec, launcher, requests, rate_rps: float) -> None:
 
     import httpx
 
-    from distserve.cli.fidelity import format_other
     from distserve.local.calibration import fetch_iterations, fit_iterations
     from distserve.local.prediction import LocalShape, engine_context, predict_run
+    from distserve.local.report import format_other
     from distserve.search import build_context
 
     try:

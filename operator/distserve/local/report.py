@@ -1,13 +1,18 @@
-"""Latency percentiles, SLO attainment and goodput of a load run, beside a plan's prediction."""
+"""Latency percentiles, SLO attainment and goodput of a load run, beside a plan's prediction
+or the simulator's for the same requests, and the machine's load while it ran."""
 
 from __future__ import annotations
 
+import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from distserve.local.load import Outcome
 from distserve.plan import Plan
+
+LOAD_SAMPLE_S = 1.0  # seconds between two samples of the load average
 
 
 @dataclass
@@ -71,3 +76,61 @@ def format_summary(s: RunSummary, plan: Plan | None, target: float,
 
 def _percentiles(p_s: dict[int, float], fmt: str) -> str:
     return "  ".join(f"p{q} {p_s[q]:{fmt}} s" for q in (50, 90, 99))
+
+
+class LoadSampler:
+    """The 1-minute load average at the start, its mean over the run, and at the end."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.samples.append(os.getloadavg()[0])
+            if self._stop.wait(LOAD_SAMPLE_S):
+                return
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> tuple[float, float, float]:
+        """(start, mean, end) of the samples."""
+        return self.samples[0], sum(self.samples) / len(self.samples), self.samples[-1]
+
+
+def format_comparison(what: str, rate: float, measured, predicted, load: tuple[float, float, float],
+                      target: float) -> str:
+    """One rate's block: each figure measured, simulated, the gap and the goal, and the load."""
+    load_text = f"load {load[0]:.1f} -> {load[2]:.1f} (mean {load[1]:.1f})"
+    lines = [f"{what} at {rate:g} req/s: {measured.num_requests} requests, "
+             f"{measured.num_errors} errors (simulated {predicted.num_errors} unfinished); {load_text}; "
+             "gap: simulated less measured"]
+    gap = (predicted.attainment - measured.attainment) * 100  # simulated - measured
+    lines.append(f"  attainment  measured {measured.attainment:6.1%}  simulated {predicted.attainment:6.1%}"
+                 f"  gap {gap:+5.1f} pt  {'within' if abs(gap) <= 2 else 'outside'} 2 pt   "
+                 f"[{load_text}] (target {target:.0%})")
+    for label, m, p in (("TTFT p50", measured.ttft_p_s[50], predicted.ttft_p_s[50]),
+                        ("TTFT p90", measured.ttft_p_s[90], predicted.ttft_p_s[90]),
+                        ("TPOT p50", measured.tpot_p_s[50], predicted.tpot_p_s[50]),
+                        ("TPOT p90", measured.tpot_p_s[90], predicted.tpot_p_s[90])):
+        rel = (p - m) / m if m else float("nan")  # simulated relative to measured
+        verdict = "within" if abs(rel) <= 0.10 else "outside"
+        lines.append(f"  {label}    measured {m:7.3f} s simulated {p:7.3f} s  gap {rel:+6.1%}   "
+                     f"{verdict} 10%   [{load_text}]")
+    return "\n".join(lines)
+
+
+def format_other(what: str, predicted) -> str:
+    """The simulator's figures under another correction (the profile as measured, or a
+    run's own iteration factors), to tell the latency model's error from the rest."""
+    return (f"  {what}: attainment {predicted.attainment:6.1%}, "
+            f"TTFT p50/p90 {predicted.ttft_p_s[50]:.3f}/{predicted.ttft_p_s[90]:.3f} s, "
+            f"TPOT p50/p90 {predicted.tpot_p_s[50]:.3f}/{predicted.tpot_p_s[90]:.3f} s")
