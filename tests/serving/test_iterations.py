@@ -49,7 +49,7 @@ def test_prefill_and_decode_instances_keep_every_batch_in_the_profiles_terms(tin
         assert all(sum(i.lens) <= 16 for i in prefilled)  # batches within Lm
         assert kinds_and_lens(decoded, "decode") == expected_decode_lens(requests)
         assert max(len(i.lens) for i in decoded) > 1  # requests were decoded together
-        assert all(i.seconds > 0 and i.overhead_s >= 0 for i in prefilled + decoded)
+        assert all(i.busy_s == i.seconds + i.overhead_s for i in prefilled + decoded)
         starts = [i.started_s for i in decoded]
         assert starts == sorted(starts)
 
@@ -79,20 +79,26 @@ def test_a_colocated_instance_keeps_its_prefills_and_its_decode_steps_apart(tiny
 
 
 def test_the_overhead_before_a_call_counts_from_the_last_call_or_the_wake_up():
-    import time
-
     from distserve_engine.instance.iterations import IterationLog
 
-    log = IterationLog()
-    log.run("decode", [5], lambda: None)
-    time.sleep(0.2)  # busy elsewhere on the engine thread (an import, emitting tokens)
-    log.run("decode", [6], lambda: None)
-    time.sleep(0.2)  # waiting for work, then woken
+    now = [0.0]
+    log = IterationLog(clock=lambda: now[0])
+
+    def runner_call(seconds: float):
+        return lambda: now.__setitem__(0, now[0] + seconds)
+
+    now[0] = 1.0  # the engine thread started, then scheduled for 1 s
+    log.run("decode", [5], runner_call(0.5))
+    now[0] += 0.2  # busy elsewhere on the engine thread (an import, emitting tokens)
+    log.run("decode", [6], runner_call(0.5))
+    now[0] += 3.0  # waiting for work, then woken
     log.woke()
-    log.run("decode", [7], lambda: None)
+    now[0] += 0.1  # scheduling after the wake-up
+    log.run("decode", [7], runner_call(0.5))
     first, busy, woken = log.recent()
-    assert busy.overhead_s >= 0.2 and woken.overhead_s < 0.1
-    assert busy.busy_s == busy.seconds + busy.overhead_s
+    assert [i.seconds for i in (first, busy, woken)] == pytest.approx([0.5, 0.5, 0.5])
+    assert [i.overhead_s for i in (first, busy, woken)] == pytest.approx([1.0, 0.2, 0.1])
+    assert busy.busy_s == pytest.approx(0.7)
     assert Iteration.from_dict(busy.to_dict()) == busy
 
 

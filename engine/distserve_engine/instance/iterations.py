@@ -63,24 +63,26 @@ class IterationLog:
     """The last `maxlen` iterations of one instance (written by its engine thread, read
     by any thread)."""
 
-    def __init__(self, maxlen: int = ITERATION_HISTORY) -> None:
+    def __init__(self, maxlen: int = ITERATION_HISTORY,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self._items: deque[Iteration] = deque(maxlen=maxlen)
         self._lock = threading.Lock()
-        self._free_since = time.perf_counter()  # the last call ended, or the thread woke
+        self._clock = clock  # durations (the start is wall clock, comparable across processes)
+        self._free_since = clock()  # the last call ended, or the thread woke
 
     def woke(self) -> None:
         """The engine thread stopped waiting for work: its overhead counts from now."""
-        self._free_since = time.perf_counter()
+        self._free_since = self._clock()
 
     def run(self, kind: str, lens: Sequence[int], call: Callable[[], T]) -> T:
         """Run call (the runner's prefill or decode over a batch of these lengths), keep
         its time and the overhead before it, return what it returns. A call that raises
         is not kept."""
         started_s = time.time()
-        started = time.perf_counter()
+        started = self._clock()
         overhead_s = started - self._free_since
         result = call()
-        self._free_since = ended = time.perf_counter()
+        self._free_since = ended = self._clock()
         item = Iteration(kind, started_s, ended - started, tuple(lens), overhead_s)
         with self._lock:
             self._items.append(item)
@@ -90,7 +92,9 @@ class IterationLog:
         """The last `limit` iterations (all kept when None), oldest first."""
         with self._lock:
             items = list(self._items)
-        return items if limit is None else items[-limit:] if limit > 0 else []
+        if limit is None:
+            return items
+        return items[-limit:] if limit > 0 else []
 
 
 def prefill_lens(seqs: Sequence) -> list[int]:

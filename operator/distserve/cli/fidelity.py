@@ -188,7 +188,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     instances' /debug/iterations (tests)."""
     from distserve.local.calibration import fetch_iterations, fit_iterations
     from distserve.local.launcher import LocalLauncher
-    from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context
+    from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context, predicted_knee_rps
     from distserve.local.settings import instance_counts, instance_parallel, serve_settings
     from distserve.search import build_context
 
@@ -214,7 +214,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                 for name, items in iterations_fn(launcher).items()})
 
         if calibration is not None:
-            knee_rps, _ = _knee(profiled, shape, knee_trace, estimate_rps)
+            knee_rps, _ = predicted_knee_rps(profiled, shape, knee_trace, estimate_rps)
             rate = round(max(knee_rps, 0.01) * CALIBRATION_KNEE_FACTOR, 3)
             started_s = time.time()
             _drive(launcher.url, spec, calibration.at_rate(rate), drive_fn)
@@ -223,7 +223,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             _say(f"\n{shape.describe()}: calibration, {calibration.num_requests} requests of another "
                  f"sample at {rate:g} req/s; the runner's iterations against the profile's time "
                  f"for the same batches: {fit.describe()}; the simulator runs with this correction")
-        knee_rps, judged_by = _knee(ctx, shape, knee_trace, estimate_rps)
+        knee_rps, judged_by = predicted_knee_rps(ctx, shape, knee_trace, estimate_rps)
         if not rates and knee_rps <= 0:
             raise ValueError(f"{shape.describe()}: the simulated attainment has no knee on this "
                              "trace; give --rates")
@@ -240,7 +240,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             rows.append(row)
             own = _report(spec, shape, trace, row, ctx, profiled, factors_from,
                           iterations_since(started_s))
-            if calibration is not None and own is not None:  # the next rate: the freshest factors
+            if factors_from is not None and own is not None:  # the next rate: the freshest factors
                 ctx, factors_from = own, f"the run at {rate:g} req/s"
     return rows
 
@@ -269,12 +269,6 @@ def _report(spec, shape, trace, row: tuple, ctx, profiled, factors_from: str | N
         text += "\n" + format_other("with this run's own factors", predict_run(own, shape, sent, rate))
     _say(text)
     return own
-
-
-def _knee(ctx, shape, knee_trace, estimate_rps: float) -> tuple[float, float]:
-    from distserve.local.prediction import predicted_knee_rps
-
-    return predicted_knee_rps(ctx, shape, knee_trace, estimate_rps)
 
 
 def _compare_at(url: str, spec, ctx, shape, trace, rate: float, drive_fn) -> tuple:

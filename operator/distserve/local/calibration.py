@@ -27,7 +27,7 @@ from distserve.local.prediction import LocalShape
 from distserve.local.settings import local_instance_name
 from distserve.search.candidates import Config
 from distserve.search.trials import SearchContext, instance_model
-from distserve_engine.instance.iterations import KINDS, Iteration
+from distserve_engine.instance.iterations import ITERATION_HISTORY, KINDS, Iteration
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,6 @@ def fetch_iterations(launcher) -> dict[str, list[Iteration]]:
     """{instance name: its runner's recent iterations} from each instance process of a
     `LocalLauncher` (`GET /debug/iterations`)."""
     import httpx
-
-    from distserve_engine.instance.iterations import ITERATION_HISTORY
 
     out = {}
     for proc in launcher.procs:
