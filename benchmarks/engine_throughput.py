@@ -8,8 +8,8 @@ Decode tokens/s = batch * steps / decode time; for transformers the times come f
 generate call, a stopping criterion noting when each token arrives.
 
 With `--torch-paths`, each line also prints the engine as it runs with torch's operators
-alone (its C kernels off, each linear's weight as (in, out) only, no oneDNN-blocked
-copies), a second runner timed in the same rounds.
+alone (its C kernels off, each linear's weight as (in, out) only, no packed or
+oneDNN-blocked copies), a second runner timed in the same rounds.
 
 Each line also prints what it is measured against, timed in the same rounds:
 - gemm: the rate if a step did nothing but its matrix multiplies (the engine's own
@@ -107,8 +107,10 @@ def gemm_rate(linears: list[torch.nn.Module], head: torch.nn.Module, rows: int,
 
 def torch_paths_runner(dtype: str):
     """A second runner whose linears keep only their (in, out) copies (a tied LM head its
-    plain weight, the embedding's); run it within native.torch_paths_only()."""
-    runner = engine_runner(dtype)
+    plain weight, the embedding's), loaded with the C kernels off (so no packed copies);
+    run it within native.torch_paths_only()."""
+    with native.torch_paths_only():
+        runner = engine_runner(dtype)
     head = runner.model.lm_head
     for module in [*layer_linears(runner), head]:
         if hasattr(module, "weight_blocked"):

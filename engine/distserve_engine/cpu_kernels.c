@@ -8,14 +8,28 @@
  *   k_cache  (num_blocks, block_size, num_kv_heads, head_dim), v_cache the same
  *   tables   (batch, max_blocks) block ids; context_lens (batch,) tokens to attend
  *   out      (batch, num_heads, head_dim)
- * Query heads are grouped: head h reads KV head h / (num_heads / num_kv_heads), so each
- * key and value is loaded once for its whole group. Sequences run in parallel over
- * `num_threads` OpenMP threads.
+ * Query heads are grouped: head h reads KV head h / (num_heads / num_kv_heads). With AVX2
+ * and FMA and head_dim a multiple of 8 (attend_one_x8), tokens are the outer loop, so the
+ * cache is read front to back through each block, keys then values, in 8-float vectors;
+ * elsewhere (attend_one) each KV head's tokens are read once for its whole group.
+ * Sequences run in parallel over `num_threads` OpenMP threads.
+ *
+ * pack_linear_f32 / packed_linear_f32: y = x W^T (+ bias) for the few rows of a decode
+ * step (AVX2 and FMA; elsewhere both return -1 and torch's GEMMs run). W (n, k) is
+ * packed once into panels of 16 output features, each panel k rows of 16 floats, so a
+ * product reads the weight once, front to back, one cache line per input feature. Each
+ * panel is multiplied by the rows of x in blocks of at most 6 (12 accumulators of 8
+ * floats), the blocks' sizes evened out (8 rows: 4 + 4, not 6 + 2). Panels run in
+ * parallel over `num_threads` OpenMP threads.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 /* e^x for x in [-60, 0], vectorisable (libm's expf is a call per element): x = n ln2 + r
  * with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial (within 1e-7 of e^x, relative), 2^n
@@ -88,6 +102,82 @@ static void attend_one(const float *q, const int64_t *table, int64_t len, const 
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+static inline float sum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+/* exp_nonpositive on 8 lanes, and 0 where x < -60 (as the scalar loop below). */
+static inline __m256 exp8_nonpositive(__m256 x) {
+    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                                   _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                                   _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return _mm256_and_ps(e, _mm256_cmp_ps(x, _mm256_set1_ps(-60.f), _CMP_GE_OQ));
+}
+
+/* attend_one in 8-float vectors, for head_dim a multiple of 8. Tokens are the outer
+ * loop, so each token's keys (then values) of all KV heads are read in one pass, in the
+ * order the cache holds them: front to back through each block. scores (num_heads, len)
+ * is scratch; out accumulates in place. */
+static void attend_one_x8(const float *q, const int64_t *table, int64_t len, const Cache *c,
+                          float *out, float *scores) {
+    const int64_t group = c->num_heads / c->num_kv_heads, dim = c->head_dim;
+    for (int64_t t = 0; t < len; ++t) {
+        const float *keys = token_row(c->k_cache, table, t, c, 0);
+        for (int64_t h = 0; h < c->num_heads; ++h) {
+            const float *qh = q + h * dim, *k = keys + (h / group) * dim;
+            __m256 dot = _mm256_setzero_ps();
+            for (int64_t d = 0; d < dim; d += 8)
+                dot = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), dot);
+            scores[h * len + t] = sum8(dot) * c->scale;
+        }
+    }
+    for (int64_t h = 0; h < c->num_heads; ++h) {
+        float *row = scores + h * len, top = -FLT_MAX, total = 0.f;
+        for (int64_t t = 0; t < len; ++t) top = row[t] > top ? row[t] : top;
+        const __m256 top8 = _mm256_set1_ps(top);
+        __m256 total8 = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) {
+            const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), top8));
+            _mm256_storeu_ps(row + t, e);
+            total8 = _mm256_add_ps(total8, e);
+        }
+        for (; t < len; ++t) {
+            const float shifted = row[t] - top;
+            row[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
+            total += row[t];
+        }
+        const float inverse = 1.f / (total + sum8(total8));
+        for (t = 0; t < len; ++t) row[t] *= inverse;
+    }
+    memset(out, 0, sizeof(float) * (size_t)(c->num_heads * dim));
+    for (int64_t t = 0; t < len; ++t) {
+        const float *values = token_row(c->v_cache, table, t, c, 0);
+        for (int64_t h = 0; h < c->num_heads; ++h) {
+            const float *v = values + (h / group) * dim;
+            const __m256 weight = _mm256_set1_ps(scores[h * len + t]);
+            float *o = out + h * dim;
+            for (int64_t d = 0; d < dim; d += 8)
+                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
+        }
+    }
+}
+#endif
+
 /* Returns 0, or -1 when scratch memory could not be allocated (out is then partial). */
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                      const int64_t *tables, const int64_t *context_lens, int64_t batch,
@@ -101,13 +191,20 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * (longest > 0 ? longest : 1)));
+        float *scores = malloc(sizeof(float) * (size_t)(num_heads * (longest > 0 ? longest : 1)));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < batch; ++b) {
             if (scores == NULL) {
                 failed = 1;
                 continue;
             }
+#if defined(__AVX2__) && defined(__FMA__)
+            if (head_dim % 8 == 0) {
+                attend_one_x8(q + b * num_heads * head_dim, tables + b * max_blocks,
+                              context_lens[b], &c, out + b * num_heads * head_dim, scores);
+                continue;
+            }
+#endif
             attend_one(q + b * num_heads * head_dim, tables + b * max_blocks, context_lens[b],
                        &c, out + b * num_heads * head_dim, scores);
         }
@@ -129,3 +226,97 @@ void rms_norm_f32(const float *x, int64_t row_stride, const float *weight, float
         for (int64_t d = 0; d < dim; ++d) o[d] = row[d] * inverse * weight[d];
     }
 }
+
+#define PANEL 16   /* output features per packed panel: two vectors of 8 floats */
+#define MAX_ROWS 6 /* rows of x per block: 6 x 2 accumulators + 2 panel vectors + 1 broadcast */
+
+#if defined(__AVX2__) && defined(__FMA__)
+int packed_linear_supported(void) { return 1; }
+
+/* c (rows, cols <= PANEL) = a (rows, k) x panel (k, PANEL) (+ bias), rows a constant
+ * once inlined, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void block_times_panel(
+    const int rows, const float *a, int64_t lda, const float *panel, int64_t k,
+    const float *bias, float *c, int64_t ldc, int64_t cols) {
+    __m256 lo[MAX_ROWS], hi[MAX_ROWS];
+    float edge[PANEL] = {0};
+    if (bias != NULL) memcpy(edge, bias, (size_t)cols * sizeof(float));
+    const __m256 lo0 = _mm256_loadu_ps(edge), hi0 = _mm256_loadu_ps(edge + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < rows; ++r) {
+        lo[r] = lo0;
+        hi[r] = hi0;
+    }
+    for (int64_t j = 0; j < k; ++j) {
+        const __m256 w_lo = _mm256_load_ps(panel + j * PANEL);
+        const __m256 w_hi = _mm256_load_ps(panel + j * PANEL + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < rows; ++r) {
+            const __m256 x = _mm256_broadcast_ss(a + r * lda + j);
+            lo[r] = _mm256_fmadd_ps(x, w_lo, lo[r]);
+            hi[r] = _mm256_fmadd_ps(x, w_hi, hi[r]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < rows; ++r) {
+        if (cols == PANEL) {
+            _mm256_storeu_ps(c + r * ldc, lo[r]);
+            _mm256_storeu_ps(c + r * ldc + 8, hi[r]);
+        } else {
+            _mm256_storeu_ps(edge, lo[r]);
+            _mm256_storeu_ps(edge + 8, hi[r]);
+            memcpy(c + r * ldc, edge, (size_t)cols * sizeof(float));
+        }
+    }
+}
+
+static void rows_times_panel(int rows, const float *a, int64_t lda, const float *panel,
+                             int64_t k, const float *bias, float *c, int64_t ldc, int64_t cols) {
+    switch (rows) {
+    case 6: block_times_panel(6, a, lda, panel, k, bias, c, ldc, cols); break;
+    case 5: block_times_panel(5, a, lda, panel, k, bias, c, ldc, cols); break;
+    case 4: block_times_panel(4, a, lda, panel, k, bias, c, ldc, cols); break;
+    case 3: block_times_panel(3, a, lda, panel, k, bias, c, ldc, cols); break;
+    case 2: block_times_panel(2, a, lda, panel, k, bias, c, ldc, cols); break;
+    default: block_times_panel(1, a, lda, panel, k, bias, c, ldc, cols); break;
+    }
+}
+
+/* packed (whole panels: n rounded up to 16, times k floats; 32-byte aligned) from W (n, k),
+ * row-major; the last panel's missing features are zeros. */
+int pack_linear_f32(const float *w, int64_t n, int64_t k, float *packed) {
+    for (int64_t p = 0; p < (n + PANEL - 1) / PANEL; ++p)
+        for (int64_t j = 0; j < k; ++j)
+            for (int64_t f = 0; f < PANEL; ++f) {
+                const int64_t feature = p * PANEL + f;
+                packed[(p * k + j) * PANEL + f] = feature < n ? w[feature * k + j] : 0.f;
+            }
+    return 0;
+}
+
+/* c (m, n), rows ldc floats apart = a (m, k), rows lda apart, x W^T (+ bias (n,) or NULL). */
+int packed_linear_f32(const float *a, int64_t lda, int64_t m, const float *packed, int64_t n,
+                      int64_t k, const float *bias, float *c, int64_t ldc, int num_threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, blocks = (m + MAX_ROWS - 1) / MAX_ROWS;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (int64_t p = 0; p < panels; ++p) {
+        const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+        int64_t first = 0;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t rows = (m - first + (blocks - b) - 1) / (blocks - b);
+            rows_times_panel((int)rows, a + first * lda, lda, packed + p * k * PANEL, k,
+                             bias != NULL ? bias + p * PANEL : NULL, c + first * ldc + p * PANEL,
+                             ldc, cols);
+            first += rows;
+        }
+    }
+    return 0;
+}
+#else
+int packed_linear_supported(void) { return 0; }
+int pack_linear_f32(const float *w, int64_t n, int64_t k, float *packed) { return -1; }
+int packed_linear_f32(const float *a, int64_t lda, int64_t m, const float *packed, int64_t n,
+                      int64_t k, const float *bias, float *c, int64_t ldc, int num_threads) {
+    return -1;
+}
+#endif

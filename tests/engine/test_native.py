@@ -13,7 +13,8 @@ from test_attention import HEAD_DIM, make_batch, reference
 
 from distserve_engine import native
 from distserve_engine.attention import paged_attention
-from distserve_engine.models.layers import RMSNorm
+from distserve_engine.models.layers import ColumnParallelLinear, RMSNorm, transpose_for_cpu
+from distserve_engine.parallel import ParallelState
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                     reason="no C compiler on this machine")
@@ -58,3 +59,66 @@ def test_rms_norm_in_c_matches_torch_on_rows_and_strided_views(rows, monkeypatch
         torch.testing.assert_close(out, F.rms_norm(x, (576,), norm.weight, 1e-5),
                                    atol=1e-5, rtol=1e-5)
     assert len(calls) == 2  # both through the C kernel
+
+
+def _loaded_linear(out_features: int, in_features: int, bias: bool, seed: int):
+    """A float32 linear with random weights, laid out for the CPU as the loader leaves it,
+    and the plain weight and bias to check it against."""
+    torch.manual_seed(seed)
+    weight = torch.randn(out_features, in_features) / in_features**0.5
+    module = ColumnParallelLinear(in_features, [out_features], bias, ParallelState())
+    module.weight.data.copy_(weight)
+    if bias:
+        module.bias.data.normal_()
+    plain_bias = None if module.bias is None else module.bias.detach().clone()
+    transpose_for_cpu(module)
+    return module, weight, plain_bias
+
+
+@needs_compiler
+@pytest.mark.parametrize(("out_features", "in_features", "bias"),
+                         [(960, 576, False), (50, 7, True), (16, 33, False), (17, 64, True)])
+def test_packed_linear_in_c_matches_torch_at_decode_row_counts(out_features, in_features, bias,
+                                                               monkeypatch):
+    if native.pack_linear() is None:
+        pytest.skip("this CPU lacks AVX2 and FMA: the linears keep torch's layouts")
+    kernel, calls = native.packed_linear(), []
+    monkeypatch.setattr(native, "packed_linear",
+                        lambda: lambda *args: calls.append(args[2]) or kernel(*args))
+    module, weight, plain_bias = _loaded_linear(out_features, in_features, bias, seed=out_features)
+    assert getattr(module, "weight", None) is None  # replaced by its packed and blocked copies
+    row_counts = [1, 2, 3, 5, 6, 7, 8, 13, 32, native.PACKED_MAX_ROWS, native.PACKED_MAX_ROWS + 1]
+    for rows in row_counts:
+        x = torch.randn(rows, in_features)
+        torch.testing.assert_close(module(x), F.linear(x, weight, plain_bias), atol=1e-4, rtol=1e-4)
+    assert calls == row_counts[:-1]  # more rows than PACKED_MAX_ROWS: oneDNN's blocked copy
+    fused = torch.randn(5, 3 * in_features)  # a view of its middle third: rows 3 * in apart
+    x = fused[:, in_features:2 * in_features]
+    torch.testing.assert_close(module(x), F.linear(x, weight, plain_bias), atol=1e-4, rtol=1e-4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the panels split between two OpenMP threads
+    try:
+        x = torch.randn(9, in_features)
+        torch.testing.assert_close(module(x), F.linear(x, weight, plain_bias), atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_compiler
+def test_a_packed_linear_with_the_kernels_off_multiplies_by_its_blocked_copy():
+    if native.pack_linear() is None:
+        pytest.skip("this CPU lacks AVX2 and FMA: the linears keep torch's layouts")
+    module, weight, plain_bias = _loaded_linear(40, 24, True, seed=3)
+    x = torch.randn(4, 24)
+    with native.torch_paths_only():
+        out = module(x)
+    torch.testing.assert_close(out, F.linear(x, weight, plain_bias), atol=1e-4, rtol=1e-4)
+
+
+def test_without_the_packed_kernel_a_linear_keeps_its_in_out_copy(monkeypatch):
+    monkeypatch.setattr(native, "pack_linear", lambda: None)  # as on a CPU without AVX2
+    module, weight, plain_bias = _loaded_linear(40, 24, True, seed=4)
+    assert getattr(module, "weight_packed", None) is None and module.weight_t.shape == (24, 40)
+    for rows in (1, 2, 3, 8):
+        x = torch.randn(rows, 24)
+        torch.testing.assert_close(module(x), F.linear(x, weight, plain_bias), atol=1e-4, rtol=1e-4)

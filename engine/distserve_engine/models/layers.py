@@ -75,30 +75,46 @@ class RowParallelLinear(nn.Module):
 
 
 def transpose_for_cpu(module: nn.Module, keep_weight: bool = False) -> None:
-    """Store a loaded linear's weight in the layouts CPU GEMMs with few rows favour: as
-    (in, out) for products of 1-2 rows and, in float32 with oneDNN, a oneDNN-blocked copy
-    for 3 rows or more.
+    """Store a loaded linear's weight in the layouts CPU GEMMs favour. In float32 with the
+    C kernels and oneDNN: packed in panels (`native.packed_linear`) for products of up to
+    `native.PACKED_MAX_ROWS` rows (a decode step's), and a oneDNN-blocked copy for more (a
+    prefill's). Otherwise as (in, out) for products of 1-2 rows and, with oneDNN, the
+    blocked copy for 3 rows or more.
 
     NOTE: with weight (out, in) MKL re-packs the matrix on every call; on this CPU a
     (8..32, 576) x (576, 3072) fp32 product ran 1.3-1.8x faster from the transposed copy.
     A decode step streams every layer's weights from memory once; over SmolLM2's 30
     layers so read (not one weight timed hot in cache), the blocked copies ran 1.1x faster
     than (in, out) at 3 rows, 1.6x at 4 and 8, 1.35x at 32 and level from 256 up, but
-    1.15x slower at 2 rows and 1.4x at 1. So both are kept: twice the linears' memory.
-    The (out, in) weight is dropped unless kept (a head tied to the input embedding,
-    whose rows the embedding reads). Call after loading weights.
+    1.15x slower at 2 rows and 1.4x at 1; the packed panels ran level with (in, out) at
+    one row and 1.3-1.6x faster than the blocked copies from 2 to 64 rows. So two copies
+    are kept: twice the linears' memory. The (out, in) weight is dropped unless kept (a
+    head tied to the input embedding, whose rows the embedding reads). Call after
+    loading weights.
     """
     weight = module.weight.detach()
-    module.weight_t = weight.t().contiguous()  # (in, out)
-    if getattr(module, "weight_blocked", None) is None:  # the head has its own already
-        _add_blocked(module, weight, min_rows=3)
+    pack = native.pack_linear() if weight.dtype == torch.float32 else None
+    if pack is not None and torch.backends.mkldnn.is_available():
+        out_features, in_features = weight.shape
+        packed = torch.empty(native.packed_linear_size(out_features, in_features))
+        contiguous = weight.contiguous()
+        pack(contiguous.data_ptr(), out_features, in_features, packed.data_ptr())
+        module.weight_packed = packed
+        module.packed_out_features = out_features
+        if getattr(module, "weight_blocked", None) is None:  # the head has its own already
+            _add_blocked(module, weight, min_rows=native.PACKED_MAX_ROWS + 1)
+    else:
+        module.weight_t = weight.t().contiguous()  # (in, out)
+        if getattr(module, "weight_blocked", None) is None:  # the head has its own already
+            _add_blocked(module, weight, min_rows=3)
     if not keep_weight:
         del module.weight
 
 
 def block_head_for_cpu(module: nn.Module) -> None:
     """Keep a oneDNN-blocked copy of the LM head's (out, in) weight for products of 2 rows
-    or more; one row reads the (in, out) copy that `transpose_for_cpu` makes.
+    or more; one row reads the (in, out) copy that `transpose_for_cpu` makes (where the
+    packed copy is made, it serves up to `native.PACKED_MAX_ROWS` rows instead).
 
     NOTE: the head (vocab x hidden, 113 MB for SmolLM2) is the largest GEMM of a decode
     step; from the plain layouts MKL re-packs it on every call. From the blocked copy the
@@ -117,9 +133,12 @@ def _add_blocked(module: nn.Module, weight: torch.Tensor, min_rows: int) -> None
 
 def stored_weight(module: nn.Module) -> torch.Tensor:
     """The copy of a linear's weight that a one-row product reads: the plain weight, else
-    the (in, out) copy that replaced it."""
+    the packed or (in, out) copy that replaced it."""
     weight = getattr(module, "weight", None)
-    return module.weight_t if weight is None else weight
+    if weight is not None:
+        return weight
+    packed = getattr(module, "weight_packed", None)
+    return module.weight_t if packed is None else packed
 
 
 def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -128,6 +147,13 @@ def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
+    packed = getattr(module, "weight_packed", None)
+    if packed is not None:
+        kernel = native.packed_linear() if x.shape[0] <= native.PACKED_MAX_ROWS else None
+        if kernel is not None:
+            return _packed_linear(kernel, x, module, packed, bias)
+        # more rows (a prefill), or the kernels off (native.torch_paths_only): the blocked copy
+        return torch.ops.mkldnn._linear_pointwise(x, module.weight_blocked, bias, "none", [], "")
     blocked = getattr(module, "weight_blocked", None)
     if blocked is not None and x.shape[0] >= module.blocked_min_rows:
         return torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")
@@ -135,6 +161,19 @@ def _linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None) -> to
     if weight_t is None:
         return F.linear(x, module.weight, bias)
     return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+
+
+def _packed_linear(kernel, x: torch.Tensor, module: nn.Module, packed: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, in_features = x.shape
+    out_features = module.packed_out_features
+    out = torch.empty(rows, out_features)
+    bias_ptr = None if bias is None else bias.contiguous().data_ptr()
+    kernel(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), out_features, in_features,
+           bias_ptr, out.data_ptr(), out_features, torch.get_num_threads())
+    return out
 
 
 class RMSNorm(nn.Module):
