@@ -33,9 +33,9 @@ from distserve.local.machine import Machine
 from distserve.spec import DistServeDeploymentSpec
 from distserve_engine.config import EngineConfig
 
-CACHE_FORMAT = 3  # bump when the profiler's output changes meaning, or the engine's CPU
+CACHE_FORMAT = 4  # bump when the profiler's output changes meaning, or the engine's CPU
 # speed changes outside its C kernels: old entries are ignored (2: oneDNN-blocked linears;
-# 3: decode batches of 3 x 2^k timed too)
+# 3: decode batches of 3 x 2^k timed too; 4: decode linears on packed panels)
 THREADS_PER_RANK = 1  # `distserve up` pins each instance rank to one core
 
 
