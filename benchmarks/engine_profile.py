@@ -5,7 +5,10 @@ put in one bucket: GEMMs (mm, addmm, linear), SDPA (everything under
 scaled_dot_product_attention), or the engine function it ran under (rotary, norms, the
 KV cache write, the paged-context gather, metadata, sampling, embedding, the rest of
 attention), found by wrapping those functions in `record_function` labels for this run.
-"python + alloc" is the step's wall time under the profiler less the operators' self time.
+Each labelled function's own time outside its operators (its Python, and the C kernels it
+calls through ctypes, which make no operator events: the packed linears, decode attention,
+RMSNorm) goes to its label; "python + alloc" is the step's wall time under the profiler
+less all of that.
 
     python benchmarks/engine_profile.py [--threads 1] [--steps 4] [--top 12]
 """
@@ -35,6 +38,7 @@ LABELLED = [
     ("distserve_engine.attention", "write_kv", "kv write"),
     ("distserve_engine.attention", "paged_attention", "attention other"),
     ("distserve_engine.attention", "_decode_native", "attention kernel"),
+    ("distserve_engine.models.layers", "_packed_linear", "GEMM (C, packed)"),
     ("distserve_engine.models.layers", "RotaryEmbedding.forward", "rotary"),
     ("distserve_engine.models.layers", "RotaryEmbedding.table", "rotary"),
     ("distserve_engine.models.layers", "RotaryEmbedding.rotate_", "rotary"),
@@ -95,9 +99,12 @@ def profile_steps(run, steps: int) -> tuple[dict[str, float], collections.Counte
     buckets: dict[str, float] = collections.defaultdict(float)
     ops: collections.Counter = collections.Counter()
     for event in prof.events():
-        if event.name in LABELS or event.name.startswith("ProfilerStep"):
+        if event.name.startswith("ProfilerStep"):
             continue
         self_ms = event.self_cpu_time_total / 1e3 / steps
+        if event.name in LABELS:  # its Python and C kernels (ctypes: no operator events)
+            buckets[event.name] += self_ms
+            continue
         buckets[bucket(event)] += self_ms
         ops[event.name] += self_ms
     buckets["python + alloc"] = wall_ms - sum(buckets.values())
