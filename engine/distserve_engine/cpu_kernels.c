@@ -282,6 +282,42 @@ static void rows_times_panel(int rows, const float *a, int64_t lda, const float 
     }
 }
 
+/* c (rows <= 2, 16) of two panels at once, first and second = a x panel (+ bias): two
+ * streams of the weight in flight, where one row's few FMAs per cache line leave a single
+ * stream waiting on memory. */
+static inline __attribute__((always_inline)) void rows_times_two_panels(
+    const int rows, const float *a, int64_t lda, const float *first, const float *second,
+    int64_t k, const float *bias_first, const float *bias_second, float *c_first,
+    float *c_second, int64_t ldc) {
+    __m256 acc[2][4];
+#pragma GCC unroll 2
+    for (int r = 0; r < rows; ++r) {
+        acc[r][0] = bias_first != NULL ? _mm256_loadu_ps(bias_first) : _mm256_setzero_ps();
+        acc[r][1] = bias_first != NULL ? _mm256_loadu_ps(bias_first + 8) : _mm256_setzero_ps();
+        acc[r][2] = bias_second != NULL ? _mm256_loadu_ps(bias_second) : _mm256_setzero_ps();
+        acc[r][3] = bias_second != NULL ? _mm256_loadu_ps(bias_second + 8) : _mm256_setzero_ps();
+    }
+    for (int64_t j = 0; j < k; ++j) {
+        const __m256 w0 = _mm256_load_ps(first + j * PANEL), w1 = _mm256_load_ps(first + j * PANEL + 8);
+        const __m256 w2 = _mm256_load_ps(second + j * PANEL), w3 = _mm256_load_ps(second + j * PANEL + 8);
+#pragma GCC unroll 2
+        for (int r = 0; r < rows; ++r) {
+            const __m256 x = _mm256_broadcast_ss(a + r * lda + j);
+            acc[r][0] = _mm256_fmadd_ps(x, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(x, w1, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(x, w2, acc[r][2]);
+            acc[r][3] = _mm256_fmadd_ps(x, w3, acc[r][3]);
+        }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < rows; ++r) {
+        _mm256_storeu_ps(c_first + r * ldc, acc[r][0]);
+        _mm256_storeu_ps(c_first + r * ldc + 8, acc[r][1]);
+        _mm256_storeu_ps(c_second + r * ldc, acc[r][2]);
+        _mm256_storeu_ps(c_second + r * ldc + 8, acc[r][3]);
+    }
+}
+
 /* packed (whole panels: n rounded up to 16, times k floats; 32-byte aligned) from W (n, k),
  * row-major; the last panel's missing features are zeros. */
 int pack_linear_f32(const float *w, int64_t n, int64_t k, float *packed) {
@@ -298,8 +334,23 @@ int pack_linear_f32(const float *w, int64_t n, int64_t k, float *packed) {
 int packed_linear_f32(const float *a, int64_t lda, int64_t m, const float *packed, int64_t n,
                       int64_t k, const float *bias, float *c, int64_t ldc, int num_threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL, blocks = (m + MAX_ROWS - 1) / MAX_ROWS;
+    /* One or two rows: whole panels p and p + half side by side (the last, partial or odd
+     * panel goes the usual way below). */
+    const int64_t half = m <= 2 ? (n / PANEL) / 2 : 0;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
-    for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t p = 0; p < half; ++p) {
+        const float *first = packed + p * k * PANEL, *second = packed + (p + half) * k * PANEL;
+        const float *b0 = bias != NULL ? bias + p * PANEL : NULL;
+        const float *b1 = bias != NULL ? bias + (p + half) * PANEL : NULL;
+        if (m == 2)
+            rows_times_two_panels(2, a, lda, first, second, k, b0, b1, c + p * PANEL,
+                                  c + (p + half) * PANEL, ldc);
+        else
+            rows_times_two_panels(1, a, lda, first, second, k, b0, b1, c + p * PANEL,
+                                  c + (p + half) * PANEL, ldc);
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (int64_t p = 2 * half; p < panels; ++p) {
         const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
         int64_t first = 0;
         for (int64_t b = 0; b < blocks; ++b) {
