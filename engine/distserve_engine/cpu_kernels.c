@@ -185,7 +185,6 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                      int64_t num_kv_heads, int64_t head_dim, float scale, float *out,
                      int num_threads) {
     const Cache c = {k_cache, v_cache, block_size, num_heads, num_kv_heads, head_dim, scale};
-    const int64_t group = num_heads / num_kv_heads;
     int64_t longest = 0;
     for (int64_t b = 0; b < batch; ++b) longest = context_lens[b] > longest ? context_lens[b] : longest;
     int failed = 0;

@@ -108,15 +108,18 @@ def paged_decode():
 def pack_linear():
     """The C function that packs a float32 (out, in) weight for `packed_linear`, or None
     where the kernels cannot be built or loaded here or this CPU lacks AVX2 and FMA."""
-    library = _library()
-    return None if library is None or not library.packed_linear_supported() else library.pack_linear_f32
+    return _packed_kernel("pack_linear_f32")
 
 
 def packed_linear():
     """The C product of up to PACKED_MAX_ROWS float32 rows with a packed weight, or None
     (as `pack_linear`)."""
+    return _packed_kernel("packed_linear_f32")
+
+
+def _packed_kernel(name: str):
     library = _library()
-    return None if library is None or not library.packed_linear_supported() else library.packed_linear_f32
+    return getattr(library, name) if library is not None and library.has_packed_linear else None
 
 
 def packed_linear_size(out_features: int, in_features: int) -> int:
@@ -168,6 +171,7 @@ def _load():
     library.paged_decode_f32.restype = ctypes.c_int
     library.packed_linear_supported.argtypes = []
     library.packed_linear_supported.restype = ctypes.c_int
+    library.has_packed_linear = bool(library.packed_linear_supported())  # asked once, not per call
     library.pack_linear_f32.argtypes = [pointer, size, size, pointer]
     library.pack_linear_f32.restype = ctypes.c_int
     library.packed_linear_f32.argtypes = [pointer, size, size, pointer, size, size, pointer,

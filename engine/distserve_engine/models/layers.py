@@ -96,17 +96,16 @@ def transpose_for_cpu(module: nn.Module, keep_weight: bool = False) -> None:
     pack = native.pack_linear() if weight.dtype == torch.float32 else None
     if pack is not None and torch.backends.mkldnn.is_available():
         out_features, in_features = weight.shape
-        packed = torch.empty(native.packed_linear_size(out_features, in_features))
-        contiguous = weight.contiguous()
-        pack(contiguous.data_ptr(), out_features, in_features, packed.data_ptr())
-        module.weight_packed = packed
+        module.weight_packed = torch.empty(native.packed_linear_size(out_features, in_features))
+        pack(weight.contiguous().data_ptr(), out_features, in_features,
+             module.weight_packed.data_ptr())
         module.packed_out_features = out_features
-        if getattr(module, "weight_blocked", None) is None:  # the head has its own already
-            _add_blocked(module, weight, min_rows=native.PACKED_MAX_ROWS + 1)
+        min_blocked_rows = native.PACKED_MAX_ROWS + 1
     else:
         module.weight_t = weight.t().contiguous()  # (in, out)
-        if getattr(module, "weight_blocked", None) is None:  # the head has its own already
-            _add_blocked(module, weight, min_rows=3)
+        min_blocked_rows = 3
+    if getattr(module, "weight_blocked", None) is None:  # the head has its own already
+        _add_blocked(module, weight, min_rows=min_blocked_rows)
     if not keep_weight:
         del module.weight
 
