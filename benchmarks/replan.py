@@ -3,9 +3,11 @@
 OPT-66B on 4 nodes x 8 A100-80GB (the paper's setting, low node affinity), one SLO for
 the whole day (the chatbot's: TTFT 2.5 s, TPOT 0.15 s, 90%). The traffic
 (`replan_traffic.py`) swings 3x in rate, shifts code -> summarization and chatbot ->
-summarization, and bursts once. Every interval each strategy looks at the last window
-(histogram buckets -> fitted lengths, as the analyzer sees Prometheus) and may move,
-unless its last move still runs (the operator judges nothing while a reshuffle runs):
+summarization, and bursts once. Every interval (`--interval-s`, the spec's
+`intervalSeconds`) each strategy looks at the last window (histogram buckets -> fitted
+lengths, as the analyzer sees Prometheus) and may move, unless its last move still runs
+(the operator judges nothing while a reshuffle runs); attainment and GPUs are scored per
+window of `--score-s` (a multiple of the interval):
 (a) static: the plan for the morning's code traffic sized for the day's peak, never moved;
 (b) replica-only (the peers' method): the same parallelism and prefill:decode ratio,
     copies sized for the observed rate on the observed workload;
@@ -17,8 +19,10 @@ GPUs; every new instance loads weights for `--reload-s` before it serves, and a 
 waits until the instances created before it serve. What serves changes at each of
 those moments (old instances not yet drained beside new ones already up), and the GPUs
 held count every instance created or not yet deleted. Each interval's requests are
-simulated on what served them, piece by piece (from empty queues); a request that
-arrives while a phase has no instance serving fails.
+simulated on what served them, piece by piece; a piece's queues carry over from the
+interval before (its requests of the last `--warmup-s` are simulated again ahead of
+this interval's, on the same instances), and start empty where a move changes what
+serves; a request that arrives while a phase has no instance serving fails.
 
 Run: python benchmarks/replan.py --plot replan.png
 """
@@ -73,8 +77,9 @@ class Strategy:
 
     name: str
     plan: Plan
-    attainment: list[float] = field(default_factory=list)  # per interval
-    gpus: list[float] = field(default_factory=list)  # time-weighted per interval
+    attainment: list[float] = field(default_factory=list)  # per scored window
+    gpus: list[float] = field(default_factory=list)  # time-weighted per scored window
+    gpu_s: float = 0.0  # GPU-seconds held in the scored window so far
     reshuffles: int = 0
     state: DecisionState = field(default_factory=DecisionState)
     last_move_s: float = -1e18
@@ -110,20 +115,25 @@ def main() -> None:
     truth = build_context(spec, SearchOverrides(correction=Correction(
         args.true_prefill_factor, args.true_decode_factor)))
     max_len = get_model(spec.model.name).max_position
-    num_intervals = int(day_s // args.interval_s)
-    for k in range(num_intervals):
+    per_window = round(args.score_s / args.interval_s)
+    for k in range(int(day_s // args.interval_s)):
         start_s, end_s = k * args.interval_s, (k + 1) * args.interval_s
         if k > 0:
             move(strategies, traffic, start_s, settings, evaluator, max_len, spec, args.verbose)
         for s in strategies:
-            serve(s, traffic, start_s, end_s, truth)
-        print_interval(k, start_s, args.interval_s, day_s, traffic, strategies)
-    print_summary(strategies, spec.slo.attainment, args.interval_s)
+            serve(s, traffic, start_s, end_s, truth, args.warmup_s)
+        if (k + 1) % per_window == 0:
+            window_s = (end_s - args.score_s, end_s)
+            for s in strategies:
+                score(s, traffic, *window_s, truth.slo)
+            print_interval(len(strategies[0].attainment) - 1, window_s[0], args.score_s, day_s,
+                           traffic, strategies)
+    print_summary(strategies, spec.slo.attainment, args.score_s)
     print(f"load average: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} at "
           f"the start, {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end; run time "
           f"{time.monotonic() - started:.0f} s on {len(os.sched_getaffinity(0))} cores")
     if args.plot:
-        plot(args.plot, strategies, args.interval_s, spec.slo.attainment)
+        plot(args.plot, strategies, args.score_s, spec.slo.attainment)
 
 
 def move(strategies, traffic: Traffic, now_s: float, settings, evaluator, max_len, spec,
@@ -191,23 +201,30 @@ def replica_only(s: Strategy, observation, now_s: float, settings, evaluator) ->
     return new
 
 
-def serve(s: Strategy, traffic: Traffic, start_s, end_s, truth) -> None:
-    """Simulate the interval's requests on what served them; record attainment and GPUs."""
-    pieces = s.pieces or (Piece(start_s, tuple(plan_instances(s.plan, "now")), s.plan.num_gpus),)
-    gpus_s = 0.0
+def serve(s: Strategy, traffic: Traffic, start_s, end_s, truth, warmup_s: float) -> None:
+    """Simulate the interval's requests on what served them; count the GPUs held."""
+    pieces = s.pieces or (Piece(-math.inf, tuple(plan_instances(s.plan, "now")), s.plan.num_gpus),)
     for k, piece in enumerate(pieces):
         until_s = pieces[k + 1].from_s if k + 1 < len(pieces) else math.inf
-        lo, hi = max(start_s, piece.from_s if k else -math.inf), min(end_s, until_s)
+        lo, hi = max(start_s, piece.from_s), min(end_s, until_s)
         if hi <= lo:
             continue
-        simulate(s, piece.instances, traffic, traffic.between(lo, hi), lo, truth)
-        gpus_s += piece.gpus * (hi - lo)
+        # NOTE: the same instances served the piece's requests before this interval: those
+        # of the last warmup_s go first, so that a queue (a burst's) carries over
+        carried_s = max(piece.from_s, lo - warmup_s)
+        simulate(s, piece.instances, traffic, traffic.between(carried_s, hi), carried_s, truth,
+                 keep_from_s=lo)
+        s.gpu_s += piece.gpus * (hi - lo)
+
+
+def score(s: Strategy, traffic: Traffic, start_s: float, end_s: float, slo) -> None:
+    """Record the scored window's attainment and time-weighted GPUs."""
     index = traffic.between(start_s, end_s)
-    slo = truth.slo
     with np.errstate(invalid="ignore"):
         ok = (s.ttft_s[index] <= slo.ttft_s) & (s.tpot_s[index] <= slo.tpot_s)
     s.attainment.append(float(ok.mean()) if len(ok) else 1.0)
-    s.gpus.append(gpus_s / (end_s - start_s))
+    s.gpus.append(s.gpu_s / (end_s - start_s))
+    s.gpu_s = 0.0
 
 
 def _roles(instances) -> str:
@@ -243,23 +260,27 @@ def reshuffle_pieces(old: Plan, new: Plan, now_s: float, reload_s: float) -> tup
 
 
 def simulate(
-    s: Strategy, instances, traffic: Traffic, index: np.ndarray, start_s: float, truth
+    s: Strategy, instances, traffic: Traffic, index: np.ndarray, start_s: float, truth,
+    keep_from_s: float,
 ) -> None:
-    """These requests served by these instances, from empty queues (failed where a phase
-    has none)."""
+    """These requests served by these instances, from empty queues at start_s (failed
+    where a phase has none); the latencies of those arriving from keep_from_s are kept."""
     if len(index) == 0:
         return
+    kept = index[traffic.arrival_s[index] >= keep_from_s]
     served = serving_unit(truth, instances)
     if served is None:
-        s.ttft_s[index], s.tpot_s[index] = math.inf, math.inf
+        s.ttft_s[kept], s.tpot_s[kept] = math.inf, math.inf
         return
     trace = Trace(traffic.arrival_s[index] - start_s, traffic.prompt_tokens[index],
                   traffic.output_tokens[index])
     result = simulate_unit(truth, served, trace)
-    s.ttft_s[index], s.tpot_s[index] = result.ttft_s, result.tpot_s
+    mine = len(index) - len(kept)
+    s.ttft_s[kept], s.tpot_s[kept] = result.ttft_s[mine:], result.tpot_s[mine:]
 
 
 def print_settings(args, spec, settings, traffic: Traffic) -> None:
+    """The day and the settings every strategy runs under."""
     print(f"replan: OPT-66B on 4 x 8 A100-80GB, SLO TTFT {spec.slo.ttft_seconds} s TPOT "
           f"{spec.slo.tpot_seconds} s for {spec.slo.attainment:.0%}; {args.hours} h, "
           f"{len(traffic.arrival_s)} requests, base {args.base_rps} req/s (3x at noon, one 2x "
@@ -270,7 +291,8 @@ def print_settings(args, spec, settings, traffic: Traffic) -> None:
           f"{settings.headroom}, budget {settings.max_gpus} GPUs; search: "
           f"{spec.planner.num_requests} requests per trial, {spec.planner.workers} workers; "
           f"true latency = model x (prefill {args.true_prefill_factor}, decode "
-          f"{args.true_decode_factor})", flush=True)
+          f"{args.true_decode_factor}); scored per {args.score_s:.0f} s window, queues "
+          f"carried over {args.warmup_s:.0f} s", flush=True)
 
 
 def print_interval(
@@ -320,7 +342,13 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hours", type=float, default=2.5)
     parser.add_argument("--base-rps", type=float, default=2.0)
-    parser.add_argument("--interval-s", type=float, default=300)
+    parser.add_argument("--interval-s", type=float, default=300,
+                        help="seconds between two decisions (the spec's intervalSeconds)")
+    parser.add_argument("--score-s", type=float, default=300,
+                        help="seconds of the windows attainment and GPUs are scored on")
+    parser.add_argument("--warmup-s", type=float, default=120,
+                        help="seconds of a piece's earlier requests simulated again ahead of "
+                        "each interval's (its queues carry over)")
     parser.add_argument("--window-s", type=float, default=900)
     parser.add_argument("--hold-s", type=float, default=300)
     parser.add_argument("--cooldown-s", type=float, default=900)
@@ -334,7 +362,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, help="write a PNG of attainment and GPUs")
     parser.add_argument("--verbose", action="store_true", help="print every decision of (c)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    ratio = args.score_s / args.interval_s
+    if ratio < 1 or abs(ratio - round(ratio)) > 1e-9:
+        parser.error(f"--score-s ({args.score_s:g}) must be a whole multiple of --interval-s "
+                     f"({args.interval_s:g})")
+    return args
 
 
 if __name__ == "__main__":

@@ -61,25 +61,43 @@ def check_histogram(bucket_upper_tokens: Sequence[float], bucket_counts: Sequenc
         raise ValueError(f"histogram: counts must be finite and >= 0, got {counts.tolist()}")
 
 
-def _dist(family: str, log_params: np.ndarray):
-    import scipy.stats
-
-    shape, scale = np.exp(log_params)
-    return getattr(scipy.stats, family)(shape, loc=0.0, scale=scale)
-
-
 def log_likelihood(family: str, params: Sequence[float], bucket_upper_tokens: Sequence[float],
                    bucket_counts: Sequence[float]) -> float:
     """The interval-censored log-likelihood of (shape, scale) on the binned counts."""
-    return _log_likelihood(_dist(family, np.log(params)), *bucket_intervals(bucket_upper_tokens),
+    return _log_likelihood(family, np.log(params), *bucket_intervals(bucket_upper_tokens),
                            np.asarray(bucket_counts, dtype=float))
 
 
-def _log_likelihood(dist, lo: np.ndarray, hi: np.ndarray, counts: np.ndarray) -> float:
+def _tails(
+    family: str, shape: float, scale: float, x: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """The family's CDF and survival function at x, and its median: `scipy.stats`'s own
+    formulas through `scipy.special`, without building a frozen distribution (its
+    argument checks and docstring took most of a fit's time)."""
+    from scipy import special
+
+    z = x / scale
+    if family == "lognorm":
+        with np.errstate(divide="ignore"):
+            u = np.log(z) / shape
+        return special.ndtr(u), special.ndtr(-u), scale
+    if family == "gamma":
+        return (special.gammainc(shape, z), special.gammaincc(shape, z),
+                scale * float(special.gammaincinv(shape, 0.5)))
+    if family == "weibull_min":
+        power = z**shape
+        return -np.expm1(-power), np.exp(-power), scale * math.log(2.0) ** (1.0 / shape)
+    raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
+
+
+def _log_likelihood(family: str, log_params: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                    counts: np.ndarray) -> float:
     # NOTE: a bucket's mass is taken from the survival function in the upper tail
     # and from the CDF below it, so neither end loses it to rounding near 1.
-    upper_tail = lo > dist.median()
-    mass = np.where(upper_tail, dist.sf(lo) - dist.sf(hi), dist.cdf(hi) - dist.cdf(lo))
+    shape, scale = np.exp(log_params)
+    cdf, sf, median = _tails(family, shape, scale, np.concatenate([lo, hi]))
+    n = len(lo)
+    mass = np.where(lo > median, sf[:n] - sf[n:], cdf[n:] - cdf[:n])
     used = counts > 0
     return float(np.sum(counts[used] * np.log(np.maximum(mass[used], MIN_PROBABILITY))))
 
@@ -115,7 +133,7 @@ def fit_family(family: str, bucket_upper_tokens: Sequence[float],
     def cost(log_params: np.ndarray) -> float:
         if np.any(np.abs(log_params) > 30):
             return math.inf
-        return -_log_likelihood(_dist(family, log_params), lo, hi, counts)
+        return -_log_likelihood(family, log_params, lo, hi, counts)
 
     result = minimize(cost, _start(family, lo, hi, counts), method="Nelder-Mead",
                       options={"xatol": 1e-6, "fatol": 1e-6, "maxiter": 2000})
