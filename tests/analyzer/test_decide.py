@@ -138,6 +138,12 @@ def test_a_rising_rate_is_sized_for_where_its_trend_leads():
     assert decision.numbers.forecast_rate_rps == pytest.approx(7.1)
     assert decision.numbers.sized_rate_rps == pytest.approx(1.2 * 7.1)
     assert decision.action == "replan" and decision.plan.num_gpus > 16
+    # Decisions a minute apart: the next one comes once this move's loading ends (180 s),
+    # and its own plan serves 180 s after that: the horizon is 360 s, not 60 + 180, so
+    # 5 + (150 + 360) / 450 x 1.5 = 6.7 req/s.
+    minutely = decide(rising, make_plan(copies=2), make_settings(intervalSeconds=60), state,
+                      evaluator)
+    assert minutely.numbers.forecast_rate_rps == pytest.approx(6.7)
     # The same last third within Poisson noise of the rest is no trend: sized as it is.
     noisy = replace(flat, recent=replace(recent, num_requests=1230, arrival_rate_rps=4.1))
     decision = decide(noisy, make_plan(copies=2), make_settings(), state, evaluator)

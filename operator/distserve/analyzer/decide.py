@@ -9,8 +9,9 @@ once per interval and pass back the `DecisionState` it returns. In order:
    reshuffle fell inside it or its length mix moves within it) are blended into the
    running correction;
 3. the current plan is simulated on the traffic ahead (`forecast.py`: the window's
-   trend carried to the end of the horizon a plan chosen now serves, an interval and a
-   weight loading ahead) at the sized rate: the forecast rate where the rate moves
+   trend carried to the end of the horizon a plan chosen now serves, `horizon_seconds`:
+   the next decision, an interval on and not before this move's loading ends, and that
+   decision's weight loading) at the sized rate: the forecast rate where the rate moves
    significantly (up or down), else the window's rate or, when higher, the recent
    one, times `headroom`; a trigger is a predicted or observed miss of the
    attainment target, a shift of rate or length mix against the window the plan was
@@ -248,8 +249,7 @@ def decide(
         return _decision("no-decision", "no length histogram in the window", numbers, state,
                          observation)
     now_s = observation.end_s
-    traffic_ahead = forecast(
-        observation, settings.interval_seconds + settings.reload_seconds, thresholds)
+    traffic_ahead = forecast(observation, horizon_seconds(settings), thresholds)
     state = replace(state, correction=_corrected(
         state, plan, observation, settings, evaluator, traffic_ahead.is_mix_trend))
     # NOTE: a rate seen to fall (a burst that ended, the evening) is sized for where it
@@ -315,6 +315,13 @@ def decide(
         rising = f"the rate rose {verdict.rate_change:.0%} since the plan was last checked"
     return _choose(observation, ahead, plan, settings, state, evaluator, verdict, miss, numbers,
                    present_rps, failing, rising, trigger)
+
+
+def horizon_seconds(settings: ReplanningSpec) -> float:
+    """How far ahead a plan chosen now serves at least: its own weight loading, then until
+    the next decision (an interval on, and not before the move ends: no decision while a
+    reshuffle runs), and that decision's weight loading."""
+    return max(settings.interval_seconds, settings.reload_seconds) + settings.reload_seconds
 
 
 def _shortfall_only(
