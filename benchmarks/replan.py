@@ -123,10 +123,10 @@ def main() -> None:
         for s in strategies:
             serve(s, traffic, start_s, end_s, truth, args.warmup_s)
         if (k + 1) % per_window == 0:
-            window_s = (end_s - args.score_s, end_s)
+            scored_from_s = end_s - args.score_s
             for s in strategies:
-                score(s, traffic, *window_s, truth.slo)
-            print_interval(len(strategies[0].attainment) - 1, window_s[0], args.score_s, day_s,
+                score(s, traffic, scored_from_s, end_s, truth.slo)
+            print_interval((k + 1) // per_window - 1, scored_from_s, args.score_s, day_s,
                            traffic, strategies)
     print_summary(strategies, spec.slo.attainment, args.score_s)
     print(f"load average: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} at "

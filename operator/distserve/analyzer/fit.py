@@ -64,7 +64,8 @@ def check_histogram(bucket_upper_tokens: Sequence[float], bucket_counts: Sequenc
 def log_likelihood(family: str, params: Sequence[float], bucket_upper_tokens: Sequence[float],
                    bucket_counts: Sequence[float]) -> float:
     """The interval-censored log-likelihood of (shape, scale) on the binned counts."""
-    return _log_likelihood(family, np.log(params), *bucket_intervals(bucket_upper_tokens),
+    shape, scale = params
+    return _log_likelihood(family, shape, scale, *bucket_intervals(bucket_upper_tokens),
                            np.asarray(bucket_counts, dtype=float))
 
 
@@ -90,11 +91,10 @@ def _tails(
     raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
 
 
-def _log_likelihood(family: str, log_params: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+def _log_likelihood(family: str, shape: float, scale: float, lo: np.ndarray, hi: np.ndarray,
                     counts: np.ndarray) -> float:
     # NOTE: a bucket's mass is taken from the survival function in the upper tail
     # and from the CDF below it, so neither end loses it to rounding near 1.
-    shape, scale = np.exp(log_params)
     cdf, sf, median = _tails(family, shape, scale, np.concatenate([lo, hi]))
     n = len(lo)
     mass = np.where(lo > median, sf[:n] - sf[n:], cdf[n:] - cdf[:n])
@@ -133,7 +133,7 @@ def fit_family(family: str, bucket_upper_tokens: Sequence[float],
     def cost(log_params: np.ndarray) -> float:
         if np.any(np.abs(log_params) > 30):
             return math.inf
-        return -_log_likelihood(family, log_params, lo, hi, counts)
+        return -_log_likelihood(family, *np.exp(log_params), lo, hi, counts)
 
     result = minimize(cost, _start(family, lo, hi, counts), method="Nelder-Mead",
                       options={"xatol": 1e-6, "fatol": 1e-6, "maxiter": 2000})
