@@ -458,3 +458,28 @@ def test_a_move_that_leaves_a_phase_without_a_serving_instance_goes_last():
     waits = decide(predicted, make_plan(LONG_SHAPE), settings, seen, no_room)
     assert waits.action == "keep" and "predicted to reach" in waits.reason
     assert "would leave prefill with no serving instance while it loads" in waits.reason
+
+
+def test_a_plan_chosen_while_the_mix_moves_is_sized_for_where_the_shift_leads(monkeypatch):
+    import distserve.analyzer.decide as decide_module
+    from distserve.analyzer.forecast import Forecast
+
+    evaluator = FakeEvaluator()  # 8 GPUs (one copy) of the short shape hold 4 req/s, of long prompts 1.3
+    state = DecisionState(reference=make_observation(900, 5.0, seed=1))
+    window = make_observation(1200, 5.0, seed=2)  # chatbot: the short shape suits it
+    leads_to = make_observation(1200, 5.0, "summarization", seed=3)  # long prompts
+
+    def decided(destination):
+        monkeypatch.setattr(decide_module, "forecast", lambda observation, *_: Forecast(
+            5.0, window, 1.4, False, destination is not None, destination))
+        return decide(window, make_plan(), make_settings(), state, evaluator)
+
+    # 6 req/s sized: the mix of the horizon alone wants two copies of the short shape
+    assert shape_of(decided(None).plan) == SHORT_SHAPE
+    # the mix the shift leads to, where the short plan does worse: the long shape, once
+    decision = decided(leads_to)
+    assert decision.action == "replan" and shape_of(decision.plan) == LONG_SHAPE
+    assert decision.numbers.predicted_attainment == pytest.approx(0.95 * 4.0 / 6.0)  # the horizon's
+    # a destination where the current plan does no worse does not change the sizing
+    lighter = make_observation(1200, 5.0, seed=4)
+    assert shape_of(decided(lighter).plan) == SHORT_SHAPE

@@ -48,6 +48,7 @@ def test_a_steady_window_is_carried_as_it_is_now():
     assert ahead.rate_rps == pytest.approx(4.0)  # the last third's rate
     assert ahead.workload.prompt is steady.recent.prompt  # the lengths of now, not carried
     assert ahead.workload.joint is steady.recent.joint
+    assert ahead.destination is None  # no mix under way: nowhere else it leads
     assert ahead.workload.arrival_rate_rps == steady.arrival_rate_rps
     few = replace(steady, recent=replace(steady.recent, num_requests=MIN_RECENT_REQUESTS - 1))
     assert forecast(few, horizon_s=480).workload is few  # too few to fit: the window's
@@ -76,6 +77,9 @@ def test_a_length_mix_under_way_is_carried_past_where_it_is_now():
     summaries_mean = float(lengths("summarization", 4000, 4)[0].mean())
     assert recent_mean < ahead.workload.prompt.mean_tokens < summaries_mean * 1.1
     assert ahead.workload.output is not None and ahead.workload.arrival_rate_rps == pytest.approx(4.0)
+    # the shift has reached the summaries within the horizon: it leads nowhere further
+    assert ahead.destination.prompt.mean_tokens == pytest.approx(
+        ahead.workload.prompt.mean_tokens)
 
 
 def test_without_a_recent_part_the_window_stands():
@@ -107,6 +111,9 @@ def test_a_small_bucket_both_workloads_hold_does_not_stop_the_carry():
     summaries_mean = float(lengths("summarization", 4000, 4)[0].mean())
     expected = 0.15 * code_mean + 0.85 * summaries_mean
     assert ahead.workload.prompt.mean_tokens == pytest.approx(expected, rel=0.05)
+    # where it leads, past the horizon: carried until the code's own buckets run empty
+    assert ahead.destination.prompt.mean_tokens > ahead.workload.prompt.mean_tokens
+    assert ahead.destination.prompt.mean_tokens == pytest.approx(summaries_mean, rel=0.1)
     # the pairs are carried with the mix: 85% of the requests ahead are long prompts,
     # and those still have the summaries' outputs
     joint = ahead.workload.joint

@@ -26,7 +26,9 @@ once per interval and pass back the `DecisionState` it returns. In order:
    instances all serve: on a full cluster the reshuffle drains an old instance before
    each new one starts, so the loadings run one after another (`reshuffle_loadings`);
 5. two candidates, the current shape with more or fewer copies (`scale`) and the
-   search's plan (`search`), are simulated on the same workload; the cheapest that
+   search's plan (`search`), are simulated on the same workload (with a length mix
+   under way, where the shift leads when the current plan does worse there: sized for
+   the horizon alone, a plan is outgrown while it loads and moved again); the cheapest that
    meets the target wins, first among those whose reshuffle keeps an instance of each
    phase serving (`dark_phases`: the operator's reshuffle may have to drain a phase's
    last instance to make room for its replacement; only a miss seen now may take such
@@ -259,6 +261,16 @@ def decide(
     sized_rps = ahead_rps * settings.headroom
     ahead = traffic_ahead.workload
     predicted = evaluator.predict(plan, ahead, sized_rps, state.correction)
+    # NOTE: a mix under way goes on past the horizon: a plan sized for the horizon's mix
+    # alone is outgrown while it loads and moved again, its drains and loadings twice
+    # (the replanning benchmark's code -> summarization ramp: 10 GPUs, then 20 five
+    # minutes later). Where the current plan does worse on the mix the shift leads to,
+    # the candidates are sized and judged there.
+    sized_on, sized_on_attainment = ahead, predicted.attainment
+    if traffic_ahead.destination is not None:
+        far = evaluator.predict(plan, traffic_ahead.destination, sized_rps, state.correction)
+        if far.attainment < predicted.attainment:
+            sized_on, sized_on_attainment = traffic_ahead.destination, far.attainment
     numbers = replace(
         numbers, sized_rate_rps=sized_rps, forecast_rate_rps=traffic_ahead.rate_rps,
         predicted_attainment=predicted.attainment,
@@ -313,8 +325,9 @@ def decide(
         # NOTE: a climb too slow for the window's own trend test (the diurnal morning: p
         # 0.05 within one window) still shows against the window the plan was checked for
         rising = f"the rate rose {verdict.rate_change:.0%} since the plan was last checked"
-    return _choose(observation, ahead, plan, settings, state, evaluator, verdict, miss, numbers,
-                   present_rps, failing, rising, trigger)
+    return _choose(observation, sized_on, plan, settings, state, evaluator, verdict, miss,
+                   numbers, present_rps, failing, rising, trigger, way=ahead,
+                   current_attainment=sized_on_attainment)
 
 
 def horizon_seconds(settings: ReplanningSpec) -> float:
@@ -343,10 +356,13 @@ def _choose(
     observation: Observation, ahead: Observation, plan: Plan, settings: ReplanningSpec,
     state: DecisionState, evaluator: PlanEvaluator, verdict: ShiftVerdict, miss: str | None,
     numbers: DecisionNumbers, present_rps: float | None = None, failing: bool = False,
-    rising: str | None = None, trigger: str = "",
+    rising: str | None = None, trigger: str = "", way: Observation | None = None,
+    current_attainment: float | None = None,
 ) -> Decision:
     """Simulate the candidates on the workload ahead and move to the best, or keep (the
-    trigger then resets). With `present_rps` (a shortfall only at the sized rate), only
+    trigger then resets); the move itself is judged on `way` (the horizon's workload,
+    where `ahead` is where a mix under way leads), and a candidate must do better than
+    `current_attainment` (the current plan on `ahead`). With `present_rps` (a shortfall only at the sized rate), only
     candidates whose new instances start on free GPUs count; unless the plan is seen
     `failing` now, only candidates whose move keeps both phases serving do."""
     rate, correction, target = numbers.sized_rate_rps, state.correction, evaluator.attainment_target
@@ -387,13 +403,13 @@ def _choose(
     # plan is seen to miss now, or staying is predicted worse than the way (a cheaper
     # plan at 2 x prefill : 1 x decode for 6 minutes lost a whole window of the
     # replanning benchmark); among the rest, a move that meets it on the way goes first
-    way_rps = rate / settings.headroom
-    weak = {id(c): evaluator.move_attainment(plan, c, ahead, way_rps, correction)
+    way_rps, way = rate / settings.headroom, way or ahead
+    weak = {id(c): evaluator.move_attainment(plan, c, way, way_rps, correction)
             for c, _ in candidates}
     shaky = {id(c) for c, _ in candidates if weak[id(c)] is not None and weak[id(c)] < target}
     if not failing and shaky:
         floor = target if miss is None else min(
-            target, evaluator.predict(plan, ahead, way_rps, correction).attainment)
+            target, evaluator.predict(plan, way, way_rps, correction).attainment)
         steady = [(c, p) for c, p in candidates if id(c) not in shaky or weak[id(c)] >= floor]
         if candidates and not steady:
             lowest = min(weak[id(c)] for c, _ in candidates)
@@ -411,7 +427,9 @@ def _choose(
     elif miss and candidates:
         best, best_prediction = max(candidates, key=lambda cp: (
             not dark[id(cp[0])], cp[1].attainment))
-        if best_prediction.attainment <= numbers.predicted_attainment:
+        if best_prediction.attainment <= (
+            numbers.predicted_attainment if current_attainment is None else current_attainment
+        ):
             return _decision("keep", f"{miss}, and no plan within the budget does better",
                              numbers, settled, observation, verdict=verdict)
     else:

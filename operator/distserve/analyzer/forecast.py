@@ -30,6 +30,8 @@ gives the traffic there:
   are carried the same way. The window's lengths stand when the recent part holds fewer
   than `MIN_RECENT_REQUESTS`.
 The extrapolation is at most `MAX_STEPS` half windows: past that a trend is a guess.
+A mix under way is also carried `DESTINATION_S` on (`destination`), where the same stop
+at the old workload's emptied buckets makes it the new workload: where the shift leads.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ MAX_RATE_GROWTH = 2.0  # the forecast rate is at most this times the recent rate
 MIN_RECENT_REQUESTS = 100  # fewer in the recent part: its lengths are too noisy to use
 TREND_THRESHOLDS = ShiftThresholds(min_mean_change=0.05)  # a mix trend worth carrying
 MIN_BUCKET_SHARE = 0.1  # an older bucket's share below this does not stop the carry
+DESTINATION_S = 1800.0  # how far ahead a mix under way is carried for `destination`
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ class Forecast:
     steps: float  # half windows carried past the recent midpoint (0: no recent part)
     is_rate_trend: bool
     is_mix_trend: bool
+    # with a mix under way: the lengths where it leads, carried DESTINATION_S past the
+    # recent midpoint (or until the old workload's buckets run empty, as `workload` is)
+    destination: Observation | None = None
 
 
 def forecast(
@@ -77,28 +83,39 @@ def forecast(
     if is_rate_trend:
         carried = rate_rps + (rate_rps - older.arrival_rate_rps) * steps
         rate_rps = min(max(carried, rate_rps), MAX_RATE_GROWTH * rate_rps)
-    workload, is_mix_trend = observation, False
+    workload, is_mix_trend, destination = observation, False, None
     if (recent.prompt is not None and recent.output is not None
             and recent.num_requests >= MIN_RECENT_REQUESTS):
-        prompt, output, joint = recent.prompt, recent.output, recent.joint
+        workload = replace(observation, prompt=recent.prompt, output=recent.output,
+                           joint=recent.joint)
         if is_shifted(observation, recent, TREND_THRESHOLDS).is_mix_shifted:
-            base, less_recent, mix_steps = observation, True, steps
+            base, less_recent, step_s = observation, True, half_window_s
             previous = observation.previous
             if (previous is not None and previous.prompt is not None
                     and previous.output is not None
                     and previous.num_requests >= MIN_RECENT_REQUESTS):
                 # the last two thirds: their midpoints a third apart
-                base, less_recent = previous, False
-                mix_steps = steps * half_window_s / recent.window_s  # as far ahead
-            prompt = _carried(_older_counts(base.prompt, recent.prompt, less_recent),
-                              recent.prompt, mix_steps)
-            output = _carried(_older_counts(base.output, recent.output, less_recent),
-                              recent.output, mix_steps)
-            joint = _carried_joint(_older_counts(base.joint, recent.joint, less_recent),
-                                   recent.joint, mix_steps)
+                base, less_recent, step_s = previous, False, recent.window_s
+            mix_steps = steps * half_window_s / step_s  # as far ahead as the rate
+            far_steps = max(mix_steps, (recent.window_s / 2 + DESTINATION_S) / step_s)
+            workload = _carried_workload(observation, base, recent, less_recent, mix_steps)
+            destination = _carried_workload(observation, base, recent, less_recent, far_steps)
             is_mix_trend = True
-        workload = replace(observation, prompt=prompt, output=output, joint=joint)
-    return Forecast(rate_rps, workload, steps, is_rate_trend, is_mix_trend)
+    return Forecast(rate_rps, workload, steps, is_rate_trend, is_mix_trend, destination)
+
+
+def _carried_workload(observation: Observation, base: Observation, recent: Observation,
+                      less_recent: bool, steps: float) -> Observation:
+    """The observation with the recent lengths carried `steps` along their trend from
+    `base`'s (or, with `less_recent`, from the window less the recent part)."""
+    return replace(
+        observation,
+        prompt=_carried(_older_counts(base.prompt, recent.prompt, less_recent),
+                        recent.prompt, steps),
+        output=_carried(_older_counts(base.output, recent.output, less_recent),
+                        recent.output, steps),
+        joint=_carried_joint(_older_counts(base.joint, recent.joint, less_recent),
+                             recent.joint, steps))
 
 
 def _older_part(observation: Observation, recent: Observation) -> Observation:
