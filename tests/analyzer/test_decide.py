@@ -464,7 +464,7 @@ def test_a_plan_chosen_while_the_mix_moves_is_sized_for_where_the_shift_leads(mo
     import distserve.analyzer.decide as decide_module
     from distserve.analyzer.forecast import Forecast
 
-    evaluator = FakeEvaluator()  # 8 GPUs (one copy) of the short shape hold 4 req/s, of long prompts 1.3
+    evaluator = FakeEvaluator()  # a copy of the short shape (8 GPUs): 4 req/s, 1.3 long
     state = DecisionState(reference=make_observation(900, 5.0, seed=1))
     window = make_observation(1200, 5.0, seed=2)  # chatbot: the short shape suits it
     leads_to = make_observation(1200, 5.0, "summarization", seed=3)  # long prompts

@@ -28,9 +28,9 @@ once per interval and pass back the `DecisionState` it returns. In order:
 5. two candidates, the current shape with more or fewer copies (`scale`) and the
    search's plan (`search`), are simulated on the same workload (with a length mix
    under way, where the shift leads when the current plan does worse there: sized for
-   the horizon alone, a plan is outgrown while it loads and moved again); the cheapest that
-   meets the target wins, first among those whose reshuffle keeps an instance of each
-   phase serving (`dark_phases`: the operator's reshuffle may have to drain a phase's
+   the horizon alone, a plan is outgrown while it loads and moved again); the cheapest
+   that meets the target wins, first among those whose reshuffle keeps an instance of
+   each phase serving (`dark_phases`: the operator's reshuffle may have to drain a phase's
    last instance to make room for its replacement; only a miss seen now may take such
    a move), and among equal GPUs the move with the fewest loadings in a row. A miss
    moves to it; otherwise it must come while the rate is not rising (a significant
@@ -362,9 +362,10 @@ def _choose(
     """Simulate the candidates on the workload ahead and move to the best, or keep (the
     trigger then resets); the move itself is judged on `way` (the horizon's workload,
     where `ahead` is where a mix under way leads), and a candidate must do better than
-    `current_attainment` (the current plan on `ahead`). With `present_rps` (a shortfall only at the sized rate), only
-    candidates whose new instances start on free GPUs count; unless the plan is seen
-    `failing` now, only candidates whose move keeps both phases serving do."""
+    `current_attainment` (the current plan on `ahead`). With `present_rps` (a shortfall
+    only at the sized rate), only candidates whose new instances start on free GPUs
+    count; unless the plan is seen `failing` now, only candidates whose move keeps both
+    phases serving do."""
     rate, correction, target = numbers.sized_rate_rps, state.correction, evaluator.attainment_target
     candidates = [
         (candidate, evaluator.predict(candidate, ahead, rate, correction))
