@@ -83,10 +83,10 @@ def test_noise_and_a_passing_blip_do_not_move():
     assert decisions[3].state.trigger_since_s is None  # the blip passed: the hold restarts
     assert decisions[4].numbers.held_s == 0
     # a cooldown after the plan was checked (at 900), it is checked again: the search
-    # runs once, and finds nothing cheaper for 4 req/s
+    # runs once, and finds nothing cheaper for 4 req/s: the plan itself
     assert evaluator.searches == 1
-    assert decisions[3].reason == "a periodic check, 900 s after the last, but no other plan " \
-        "meets the target"
+    assert decisions[3].reason == "a periodic check, 900 s after the last, and the scaled " \
+        "and searched plans are the current one"
 
 
 def test_a_plan_larger_than_the_traffic_needs_is_checked_again_after_a_cooldown():
@@ -483,3 +483,4 @@ def test_a_plan_chosen_while_the_mix_moves_is_sized_for_where_the_shift_leads(mo
     # a destination where the current plan does no worse does not change the sizing
     lighter = make_observation(1200, 5.0, seed=4)
     assert shape_of(decided(lighter).plan) == SHORT_SHAPE
+

@@ -367,14 +367,12 @@ def _choose(
     count; unless the plan is seen `failing` now, only candidates whose move keeps both
     phases serving do."""
     rate, correction, target = numbers.sized_rate_rps, state.correction, evaluator.attainment_target
-    candidates = [
-        (candidate, evaluator.predict(candidate, ahead, rate, correction))
-        for candidate in (
-            evaluator.scale(plan, ahead, rate, correction),
-            evaluator.search(ahead, rate, correction, beside=plan),
-        )
-        if candidate is not None and change_kind(plan, candidate) is not None
-    ]
+    proposed = [candidate for candidate in (
+        evaluator.scale(plan, ahead, rate, correction),
+        evaluator.search(ahead, rate, correction, beside=plan),
+    ) if candidate is not None]
+    candidates = [(candidate, evaluator.predict(candidate, ahead, rate, correction))
+                  for candidate in proposed if change_kind(plan, candidate) is not None]
     settled = replace(state, reference=observation, trigger_since_s=None)
     if present_rps is not None:
         free = evaluator.free_gpus(plan)
@@ -433,6 +431,9 @@ def _choose(
         ):
             return _decision("keep", f"{miss}, and no plan within the budget does better",
                              numbers, settled, observation, verdict=verdict)
+    elif proposed and not candidates:
+        return _decision("keep", f"{trigger}, and the scaled and searched plans are the current "
+                         "one", numbers, settled, observation, verdict=verdict)
     else:
         return _decision("keep", f"{trigger}, but no other plan meets the target", numbers,
                          settled, observation, verdict=verdict)
