@@ -26,7 +26,7 @@ PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog and", "a 
            "disaggregated prefill and decoding", "tiny model used only in tests"]
 MAX_TOKENS = 48
 NUM_REQUESTS = 10
-KILL_ATTEMPTS = 3  # bursts, each with a kill, until one kill hits a request in flight
+KILL_ATTEMPTS = 6  # bursts, each with a kill, until one kill hits a request in flight
 
 
 def stream_completion(url: str, prompt: str) -> dict:
