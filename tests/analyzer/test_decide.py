@@ -483,4 +483,3 @@ def test_a_plan_chosen_while_the_mix_moves_is_sized_for_where_the_shift_leads(mo
     # a destination where the current plan does no worse does not change the sizing
     lighter = make_observation(1200, 5.0, seed=4)
     assert shape_of(decided(lighter).plan) == SHORT_SHAPE
-

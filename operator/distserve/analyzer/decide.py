@@ -356,8 +356,8 @@ def _choose(
     observation: Observation, ahead: Observation, plan: Plan, settings: ReplanningSpec,
     state: DecisionState, evaluator: PlanEvaluator, verdict: ShiftVerdict, miss: str | None,
     numbers: DecisionNumbers, present_rps: float | None = None, failing: bool = False,
-    rising: str | None = None, trigger: str = "", way: Observation | None = None,
-    current_attainment: float | None = None,
+    rising: str | None = None, trigger: str = "", *, way: Observation,
+    current_attainment: float,
 ) -> Decision:
     """Simulate the candidates on the workload ahead and move to the best, or keep (the
     trigger then resets); the move itself is judged on `way` (the horizon's workload,
@@ -402,7 +402,7 @@ def _choose(
     # plan is seen to miss now, or staying is predicted worse than the way (a cheaper
     # plan at 2 x prefill : 1 x decode for 6 minutes lost a whole window of the
     # replanning benchmark); among the rest, a move that meets it on the way goes first
-    way_rps, way = rate / settings.headroom, way or ahead
+    way_rps = rate / settings.headroom
     weak = {id(c): evaluator.move_attainment(plan, c, way, way_rps, correction)
             for c, _ in candidates}
     shaky = {id(c) for c, _ in candidates if weak[id(c)] is not None and weak[id(c)] < target}
@@ -426,9 +426,7 @@ def _choose(
     elif miss and candidates:
         best, best_prediction = max(candidates, key=lambda cp: (
             not dark[id(cp[0])], cp[1].attainment))
-        if best_prediction.attainment <= (
-            numbers.predicted_attainment if current_attainment is None else current_attainment
-        ):
+        if best_prediction.attainment <= current_attainment:
             return _decision("keep", f"{miss}, and no plan within the budget does better",
                              numbers, settled, observation, verdict=verdict)
     elif proposed and not candidates:

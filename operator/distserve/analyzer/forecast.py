@@ -98,24 +98,22 @@ def forecast(
                 base, less_recent, step_s = previous, False, recent.window_s
             mix_steps = steps * half_window_s / step_s  # as far ahead as the rate
             far_steps = max(mix_steps, (recent.window_s / 2 + DESTINATION_S) / step_s)
-            workload = _carried_workload(observation, base, recent, less_recent, mix_steps)
-            destination = _carried_workload(observation, base, recent, less_recent, far_steps)
+            older = tuple(_older_counts(getattr(base, name), getattr(recent, name), less_recent)
+                          for name in ("prompt", "output", "joint"))
+            workload = _carried_workload(observation, recent, older, mix_steps)
+            destination = _carried_workload(observation, recent, older, far_steps)
             is_mix_trend = True
     return Forecast(rate_rps, workload, steps, is_rate_trend, is_mix_trend, destination)
 
 
-def _carried_workload(observation: Observation, base: Observation, recent: Observation,
-                      less_recent: bool, steps: float) -> Observation:
-    """The observation with the recent lengths carried `steps` along their trend from
-    `base`'s (or, with `less_recent`, from the window less the recent part)."""
-    return replace(
-        observation,
-        prompt=_carried(_older_counts(base.prompt, recent.prompt, less_recent),
-                        recent.prompt, steps),
-        output=_carried(_older_counts(base.output, recent.output, less_recent),
-                        recent.output, steps),
-        joint=_carried_joint(_older_counts(base.joint, recent.joint, less_recent),
-                             recent.joint, steps))
+def _carried_workload(observation: Observation, recent: Observation,
+                      older: tuple[np.ndarray | None, ...], steps: float) -> Observation:
+    """The observation with the recent lengths carried `steps` along their trend from the
+    older part's counts (`_older_counts` of the prompt, output and joint histograms)."""
+    prompt_counts, output_counts, joint_counts = older
+    return replace(observation, prompt=_carried(prompt_counts, recent.prompt, steps),
+                   output=_carried(output_counts, recent.output, steps),
+                   joint=_carried_joint(joint_counts, recent.joint, steps))
 
 
 def _older_part(observation: Observation, recent: Observation) -> Observation:
