@@ -370,3 +370,58 @@ int packed_linear_f32(const float *a, int64_t lda, int64_t m, const float *packe
     return -1;
 }
 #endif
+
+/* SwiGLU in place, float32: gate[j] = silu(gate[j]) * up[j] for each row of a fused
+ * gate_up product (row r at x + r * row_stride: `width` gate floats, then `width` up
+ * floats), one pass where torch's silu_ then mul_ read the gate twice. silu(g) = g *
+ * sigmoid(g), the sigmoid from e = e^-|g| (never overflows): 1 / (1 + e) for g >= 0,
+ * e / (1 + e) below (0 below -60, as exp_nonpositive's vector form). Rows run in
+ * parallel over `num_threads` OpenMP threads. */
+static inline float sigmoid_from(float g, float e) { return (g >= 0.f ? 1.f : e) / (1.f + e); }
+
+void swiglu_f32(float *x, int64_t row_stride, int64_t rows, int64_t width, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        float *gate = x + r * row_stride;
+        const float *up = gate + width;
+        int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+        for (; j + 8 <= width; j += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + j);
+            const __m256 e = exp8_nonpositive(_mm256_or_ps(g, sign));  /* e^-|g| */
+            const __m256 is_negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+            const __m256 numerator = _mm256_blendv_ps(one, e, is_negative);
+            const __m256 sig = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(gate + j, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + j)));
+        }
+#endif
+        for (; j < width; ++j) {
+            const float g = gate[j], minus = -fabsf(g);
+            const float e = minus < -60.f ? 0.f : exp_nonpositive(minus);
+            gate[j] = g * sigmoid_from(g, e) * up[j];
+        }
+    }
+}
+
+/* Rotary positions in place, float32, HF's half-split form as the torch path computes
+ * it: x = (x1, x2) halves of each head, x' = x * cos + (x2, x1) * sin_signed. Row r
+ * (a token) holds `heads` heads of head_dim floats at x + r * row_stride; cos and
+ * sin_signed hold the token's (head_dim) row each, contiguous: cos repeats its half, sin
+ * is negated in its first half (`RotaryEmbedding.table`). */
+void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
+                const float *cos, const float *sin_signed, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *c = cos + r * head_dim, *s = sin_signed + r * head_dim;
+        for (int64_t h = 0; h < heads; ++h) {
+            float *x1 = x + r * row_stride + h * head_dim, *x2 = x1 + half;
+            for (int64_t d = 0; d < half; ++d) {
+                const float a = x1[d], b = x2[d];
+                x1[d] = a * c[d] + b * s[d];
+                x2[d] = b * c[half + d] + a * s[half + d];
+            }
+        }
+    }
+}

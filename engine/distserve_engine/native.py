@@ -16,6 +16,8 @@ first use.
   the (in, out) layout with MKL as long at one row, 1.3-3x as long from 2 rows on.
 - `rms_norm`: one call where torch's CPU `rms_norm` runs a dozen operators (17 us a call
   for one row of 576 in a loop, ~100 us inside a decode step).
+- `swiglu` and `rotary`: a prefill's elementwise steps in one pass each, in place (torch
+  runs silu_ then mul_, and for the rotation a cat, a mul_ and an addcmul_).
 
 The shared library is built once into a cache folder (`DISTSERVE_KERNEL_DIR`, default
 ~/.cache/distserve/kernels), under a name that hashes the source and the flags, and
@@ -133,6 +135,20 @@ def rms_norm():
     return None if library is None else library.rms_norm_f32
 
 
+def swiglu():
+    """The C in-place SwiGLU of a fused gate_up product, or None where the kernels cannot
+    be built or loaded here."""
+    library = _library()
+    return None if library is None else library.swiglu_f32
+
+
+def rotary():
+    """The C in-place rotary rotation of q's and k's heads, or None where the kernels
+    cannot be built or loaded here."""
+    library = _library()
+    return None if library is None else library.rotary_f32
+
+
 @contextlib.contextmanager
 def torch_paths_only():
     """Within this block the accessors return None, so the torch paths run (a benchmark
@@ -163,8 +179,8 @@ def _load():
     try:
         library = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError) as e:
-        log.warning("the CPU engine runs torch's paths for decode attention, RMSNorm and "
-                    "the decode linears, slower: its C kernels are not available (%s)", e)
+        log.warning("the CPU engine runs torch's paths for decode attention, RMSNorm, "
+                    "SwiGLU, rotary and the decode linears, slower: its C kernels are not available (%s)", e)
         return None
     pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     library.paged_decode_f32.argtypes = [pointer] * 5 + [size] * 6 + [real, pointer, ctypes.c_int]
@@ -179,6 +195,10 @@ def _load():
     library.packed_linear_f32.restype = ctypes.c_int
     library.rms_norm_f32.argtypes = [pointer, size, pointer, pointer, size, size, real]
     library.rms_norm_f32.restype = None
+    library.swiglu_f32.argtypes = [pointer, size, size, size, ctypes.c_int]
+    library.swiglu_f32.restype = None
+    library.rotary_f32.argtypes = [pointer, size, size, size, size, pointer, pointer, ctypes.c_int]
+    library.rotary_f32.restype = None
     return library
 
 

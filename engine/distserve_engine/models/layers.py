@@ -229,7 +229,15 @@ class RotaryEmbedding(nn.Module):
     def rotate_(x: torch.Tensor, table: RopeTable) -> None:
         """Rotate x (T, n, D), any heads of q and k at once, in place (in x's dtype, as HF)."""
         cos, signed_sin = table
-        half = x.shape[-1] // 2
+        rows, heads, head_dim = x.shape
+        if (x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+                and x.stride(-2) == head_dim and cos.is_contiguous() and signed_sin.is_contiguous()):
+            kernel = native.rotary()
+            if kernel is not None:
+                kernel(x.data_ptr(), x.stride(0), rows, heads, head_dim, cos.data_ptr(),
+                       signed_sin.data_ptr(), torch.get_num_threads())
+                return
+        half = head_dim // 2
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (T, n, D)
         x.mul_(cos).addcmul_(swapped, signed_sin)
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distserve_engine import native
 from distserve_engine.attention import AttentionMetadata, paged_attention
 from distserve_engine.kv_cache import KVCache
 from distserve_engine.model_config import ModelConfig
@@ -61,7 +62,14 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, hidden) -> (T, hidden)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I/tp) each, views
+        gate_up = self.gate_up_proj(x)  # (T, 2 I/tp)
+        gate, up = gate_up.chunk(2, dim=-1)  # (T, I/tp) each, views
+        kernel = (native.swiglu() if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu"
+                  else None)
+        if kernel is not None and gate_up.stride(-1) == 1:
+            kernel(gate_up.data_ptr(), gate_up.stride(0), gate_up.shape[0], gate.shape[1],
+                   torch.get_num_threads())
+            return self.down_proj(gate)  # silu(gate) * up, written over gate
         F.silu(gate, inplace=True)
         return self.down_proj(gate.mul_(up))  # a strided view: the GEMM reads it in place
 
