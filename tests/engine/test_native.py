@@ -13,7 +13,14 @@ from test_attention import HEAD_DIM, make_batch, reference
 
 from distserve_engine import native
 from distserve_engine.attention import paged_attention
-from distserve_engine.models.layers import ColumnParallelLinear, RMSNorm, transpose_for_cpu
+from distserve_engine.model_config import ModelConfig
+from distserve_engine.models.layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    transpose_for_cpu,
+)
+from distserve_engine.models.llama import LlamaMLP
 from distserve_engine.parallel import ParallelState
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -59,6 +66,47 @@ def test_rms_norm_in_c_matches_torch_on_rows_and_strided_views(rows, monkeypatch
         torch.testing.assert_close(out, F.rms_norm(x, (576,), norm.weight, 1e-5),
                                    atol=1e-5, rtol=1e-5)
     assert len(calls) == 2  # both through the C kernel
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 33])
+def test_swiglu_in_c_matches_silu_times_up(rows, monkeypatch):
+    kernel, calls = native.swiglu(), []
+    monkeypatch.setattr(native, "swiglu", lambda: lambda *args: calls.append(args) or kernel(*args))
+    torch.manual_seed(rows)
+    # 44 intermediate features: five vectors of 8 floats, then a scalar tail of 4
+    config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 10,
+                                  "hidden_size": 64, "num_hidden_layers": 1,
+                                  "num_attention_heads": 4, "intermediate_size": 44})
+    mlp = LlamaMLP(config, ParallelState())
+    for module in (mlp.gate_up_proj, mlp.down_proj):
+        module.weight.data.normal_(0, 0.5)
+    x = torch.randn(rows, 64) * 3
+    x[0, :4] = torch.tensor([-200.0, 0.0, 1e-4, 90.0])  # the sigmoid's far ends and zero
+    out = mlp(x)
+    gate, up = F.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
+    expected = F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+    assert len(calls) == 1  # through the C kernel
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+@needs_compiler
+def test_rotary_in_c_matches_the_torch_rotation_and_leaves_v_alone(monkeypatch):
+    rotary = RotaryEmbedding(64, 4096, 10000.0, None)
+    positions = torch.tensor([0, 1, 2, 4000, 7, 3])
+    table = rotary.table(positions, torch.float32)
+    qkv = torch.randn(6, (9 + 3 + 3) * 64)  # q's 9 heads, k's 3, then v's 3
+    qk = qkv[:, : 12 * 64].view(6, 12, 64)
+    expected = qk.clone()
+    with native.torch_paths_only():
+        RotaryEmbedding.rotate_(expected, table)
+    kernel, calls = native.rotary(), []
+    monkeypatch.setattr(native, "rotary", lambda: lambda *args: calls.append(args) or kernel(*args))
+    v = qkv[:, 12 * 64:].clone()
+    RotaryEmbedding.rotate_(qk, table)
+    assert len(calls) == 1
+    torch.testing.assert_close(qk, expected, atol=1e-6, rtol=1e-5)
+    assert torch.equal(qkv[:, 12 * 64:], v)
 
 
 def _loaded_linear(out_features: int, in_features: int, bias: bool, seed: int):
