@@ -4,9 +4,11 @@ The runner describes a batch once per step (`AttentionMetadata`: index tensors, 
 buffers the layers share); every layer then writes its new K/V into the cache by slot
 and attends by one of these paths, chosen by what the batch is:
 
-- a prefill whose context is only its own new tokens: SDPA over the new K/V, causal and
-  without a mask (a right-padded query only reaches keys at or before it, so padding
-  never reaches a real query), and with no padding copy when the lengths are equal;
+- a prefill whose context is only its own new tokens: on the CPU in float32, a C kernel
+  (`native.py`) over the unpadded new K/V, each query over its own keys; otherwise SDPA
+  over the new K/V, causal and without a mask (a right-padded query only reaches keys at
+  or before it, so padding never reaches a real query), and with no padding copy when
+  the lengths are equal;
 - a decode step on the CPU in float32: a C kernel (`native.py`) reads each sequence's
   keys and values in place through the block table, nothing is gathered;
 - a decode step on the CPU otherwise (other dtypes, no C compiler): each sequence's
@@ -167,7 +169,21 @@ def _repeat_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def _attend_new(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-    """A prefill over new tokens only: causal SDPA over the batch's own K/V."""
+    """A prefill over new tokens only: causal attention over the batch's own K/V (the C
+    kernel on the CPU in float32, unpadded; else SDPA over the padded batch)."""
+    if q.dtype == torch.float32 and q.device.type == "cpu" and all(
+            t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v)) and (
+            k.stride(0) == v.stride(0)):
+        kernel = native.prefill_attention()
+        if kernel is not None:
+            num_tokens, num_heads, head_dim = q.shape
+            out = q.new_empty(num_tokens, num_heads * head_dim)
+            lens = meta.context_lens  # int64, contiguous: a new context is the new tokens
+            status = kernel(q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(),
+                            lens.shape[0], num_heads, k.shape[1], head_dim, q.stride(0),
+                            k.stride(0), scale, out.data_ptr(), torch.get_num_threads())
+            if status == 0:
+                return out
     out = _sdpa(_padded(q, meta), _padded(k, meta), _padded(v, meta), None, scale)
     return _unpadded(out, meta)
 

@@ -425,3 +425,180 @@ void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64
         }
     }
 }
+
+/* prefill_attention_f32: causal attention over a prefill's own new tokens (no cached
+ * prefix), sequences side by side without padding: sequence b holds lens[b] rows of q, k
+ * and v, after those of the sequences before it. q (T, num_heads, head_dim), k and v (T,
+ * num_kv_heads, head_dim), views whose rows are q_stride and kv_stride floats apart (the
+ * fused qkv projection's); out (T, num_heads * head_dim), contiguous. Query i of a
+ * sequence attends its keys 0..i; query head h reads KV head h / (num_heads /
+ * num_kv_heads). AVX2 and FMA, head_dim a multiple of 8; elsewhere it returns -1 and
+ * torch's SDPA runs.
+ *
+ * Per (sequence, KV head), its keys are packed once, transposed, in tiles of 8 keys
+ * (tile, head_dim, 8), zero past the last key. The rows attending that KV head, (query
+ * i, head h) in order, go in blocks of up to ATTN_ROWS (a query's grouped heads together;
+ * for one head per KV head, consecutive queries): scores for 4 tiles of keys at a time
+ * (ATTN_ROWS x 4 accumulators, each key vector loaded once for the block's rows), an
+ * exact softmax per row over its own keys, then the values summed into ATTN_ROWS x 4
+ * accumulators per 32 floats of head_dim, each value vector loaded once for the block.
+ * Returns -1 where scratch memory cannot be had. */
+#define ATTN_ROWS 3
+#define ATTN_TILES 4
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* scores[r][tile0 * 8 ..] = scale * q_r . keys, for `tiles` tiles (a constant once inlined). */
+static inline __attribute__((always_inline)) void attention_scores(
+    const int rows, const int tiles, const float *const *q, const float *kt, int64_t tile0,
+    int64_t head_dim, float scale, float *const *scores) {
+    __m256 acc[ATTN_ROWS][ATTN_TILES];
+    for (int r = 0; r < rows; ++r)
+        for (int t = 0; t < tiles; ++t) acc[r][t] = _mm256_setzero_ps();
+    const float *base = kt + tile0 * head_dim * 8;
+    for (int64_t d = 0; d < head_dim; ++d) {
+        __m256 keys[ATTN_TILES];
+        for (int t = 0; t < tiles; ++t) keys[t] = _mm256_loadu_ps(base + (t * head_dim + d) * 8);
+        for (int r = 0; r < rows; ++r) {
+            const __m256 x = _mm256_broadcast_ss(q[r] + d);
+            for (int t = 0; t < tiles; ++t) acc[r][t] = _mm256_fmadd_ps(x, keys[t], acc[r][t]);
+        }
+    }
+    const __m256 s = _mm256_set1_ps(scale);
+    for (int r = 0; r < rows; ++r)
+        for (int t = 0; t < tiles; ++t)
+            _mm256_storeu_ps(scores[r] + (tile0 + t) * 8, _mm256_mul_ps(acc[r][t], s));
+}
+
+/* out_r[c .. c + 8 * vectors) = sum over keys j < n of p_r[j] * v_j[c ..] * inverse_r. */
+static inline __attribute__((always_inline)) void attention_values(
+    const int rows, const int vectors, const float *const *p, const float *v, int64_t kv_stride,
+    int64_t n, const float *inverse, float *const *out, int64_t c) {
+    __m256 acc[ATTN_ROWS][ATTN_TILES];
+    for (int r = 0; r < rows; ++r)
+        for (int x = 0; x < vectors; ++x) acc[r][x] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+        __m256 values[ATTN_TILES];
+        for (int x = 0; x < vectors; ++x) values[x] = _mm256_loadu_ps(v + j * kv_stride + c + 8 * x);
+        for (int r = 0; r < rows; ++r) {
+            const __m256 w = _mm256_broadcast_ss(p[r] + j);
+            for (int x = 0; x < vectors; ++x) acc[r][x] = _mm256_fmadd_ps(w, values[x], acc[r][x]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        const __m256 inv = _mm256_set1_ps(inverse[r]);
+        for (int x = 0; x < vectors; ++x)
+            _mm256_storeu_ps(out[r] + c + 8 * x, _mm256_mul_ps(acc[r][x], inv));
+    }
+}
+
+/* One block of `rows` rows (a constant once inlined) whose queries see up to n keys. */
+static inline __attribute__((always_inline)) void attention_block(
+    const int rows, const float *const *q, const int64_t *counts, const float *kt,
+    const float *v, int64_t kv_stride, int64_t n, int64_t head_dim, float scale,
+    float *const *scores, float *const *out) {
+    const int64_t tiles = (n + 7) / 8;
+    int64_t tile = 0;
+    for (; tile + ATTN_TILES <= tiles; tile += ATTN_TILES)
+        attention_scores(rows, ATTN_TILES, q, kt, tile, head_dim, scale, scores);
+    for (; tile < tiles; ++tile) attention_scores(rows, 1, q, kt, tile, head_dim, scale, scores);
+    float inverse[ATTN_ROWS];
+    for (int r = 0; r < rows; ++r) {  /* softmax over the row's own keys; 0 past them */
+        float *s = scores[r];
+        const int64_t count = counts[r];
+        __m256 top8 = _mm256_set1_ps(-FLT_MAX);
+        int64_t j = 0;
+        for (; j + 8 <= count; j += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + j));
+        float top = -FLT_MAX, lanes[8];
+        _mm256_storeu_ps(lanes, top8);
+        for (int x = 0; x < 8; ++x) top = lanes[x] > top ? lanes[x] : top;
+        for (; j < count; ++j) top = s[j] > top ? s[j] : top;
+        __m256 sum8_ = _mm256_setzero_ps();
+        const __m256 top_v = _mm256_set1_ps(top);
+        for (j = 0; j + 8 <= count; j += 8) {
+            const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), top_v));
+            _mm256_storeu_ps(s + j, e);
+            sum8_ = _mm256_add_ps(sum8_, e);
+        }
+        float sum = sum8(sum8_);
+        for (; j < count; ++j) {
+            const float x = s[j] - top;
+            s[j] = x < -60.f ? 0.f : exp_nonpositive(x);
+            sum += s[j];
+        }
+        for (; j < n; ++j) s[j] = 0.f;
+        inverse[r] = 1.f / sum;
+    }
+    int64_t c = 0;
+    for (; c + 8 * ATTN_TILES <= head_dim; c += 8 * ATTN_TILES)
+        attention_values(rows, ATTN_TILES, (const float *const *)scores, v, kv_stride, n, inverse, out, c);
+    for (; c < head_dim; c += 8)
+        attention_values(rows, 1, (const float *const *)scores, v, kv_stride, n, inverse, out, c);
+}
+
+int prefill_attention_f32(const float *q, const float *k, const float *v, const int64_t *lens,
+                          int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t q_stride, int64_t kv_stride, float scale,
+                          float *out, int num_threads) {
+    if (head_dim % 8 != 0) return -1;
+    const int64_t group = num_heads / num_kv_heads;
+    int64_t longest = 0, *firsts = malloc(sizeof(int64_t) * (batch > 0 ? batch : 1));
+    if (firsts == NULL) return -1;
+    for (int64_t b = 0, first = 0; b < batch; first += lens[b], ++b) {
+        firsts[b] = first;
+        longest = lens[b] > longest ? lens[b] : longest;
+    }
+    const int64_t padded = (longest + 7) / 8 * 8;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed) if (num_threads > 1)
+    {
+        float *kt = malloc(sizeof(float) * (padded * head_dim + ATTN_ROWS * padded + 1));
+        if (kt == NULL) {
+            failed = 1;
+        } else {
+            float *scratch = kt + padded * head_dim;
+#pragma omp for schedule(dynamic)
+            for (int64_t task = 0; task < batch * num_kv_heads; ++task) {
+                const int64_t b = task / num_kv_heads, g = task % num_kv_heads, len = lens[b];
+                const int64_t first = firsts[b], tiles = (len + 7) / 8;
+                for (int64_t j = 0; j < tiles * 8; ++j) {  /* keys, transposed by tiles */
+                    const float *key = k + (first + j) * kv_stride + g * head_dim;
+                    float *column = kt + (j / 8) * head_dim * 8 + j % 8;
+                    for (int64_t d = 0; d < head_dim; ++d) column[d * 8] = j < len ? key[d] : 0.f;
+                }
+                const float *values = v + first * kv_stride + g * head_dim;
+                /* the rows (query i, head h of the group) in order, ATTN_ROWS at a time */
+                for (int64_t row = 0; row < len * group; row += ATTN_ROWS) {
+                    const int rows = (int)(len * group - row < ATTN_ROWS ? len * group - row : ATTN_ROWS);
+                    const float *qs[ATTN_ROWS];
+                    float *scores[ATTN_ROWS], *outs[ATTN_ROWS];
+                    int64_t counts[ATTN_ROWS], n = 0;
+                    for (int r = 0; r < rows; ++r) {
+                        const int64_t i = (row + r) / group, h = g * group + (row + r) % group;
+                        qs[r] = q + (first + i) * q_stride + h * head_dim;
+                        outs[r] = out + ((first + i) * num_heads + h) * head_dim;
+                        scores[r] = scratch + r * padded;
+                        counts[r] = i + 1;
+                        n = i + 1 > n ? i + 1 : n;
+                    }
+                    if (rows == 3)
+                        attention_block(3, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs);
+                    else if (rows == 2)
+                        attention_block(2, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs);
+                    else
+                        attention_block(1, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs);
+                }
+            }
+            free(kt);
+        }
+    }
+    free(firsts);
+    return failed ? -1 : 0;
+}
+#else
+int prefill_attention_f32(const float *q, const float *k, const float *v, const int64_t *lens,
+                          int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t q_stride, int64_t kv_stride, float scale,
+                          float *out, int num_threads) {
+    return -1;
+}
+#endif

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from test_attention import HEAD_DIM, make_batch, reference
 
+from distserve_engine import attention as attention_module
 from distserve_engine import native
-from distserve_engine.attention import paged_attention
+from distserve_engine.attention import build_metadata, paged_attention
 from distserve_engine.model_config import ModelConfig
 from distserve_engine.models.layers import (
     ColumnParallelLinear,
@@ -170,3 +171,42 @@ def test_without_the_packed_kernel_a_linear_keeps_its_in_out_copy(monkeypatch):
     for rows in (1, 2, 3, 8):
         x = torch.randn(rows, 24)
         torch.testing.assert_close(module(x), F.linear(x, weight, plain_bias), atol=1e-4, rtol=1e-4)
+
+
+@needs_compiler
+@pytest.mark.parametrize(("lens", "num_heads", "num_kv_heads", "head_dim"), [
+    ([5, 17, 1, 9], 9, 3, 64),  # SmolLM2's heads, lengths with partial tiles of 8 keys
+    ([64, 64], 9, 3, 64),  # equal lengths: no padding either way
+    ([7, 13], 4, 4, 16),  # one head per KV head: consecutive queries share a block
+    ([7, 13, 2], 4, 2, 24),  # a group of 2, head_dim not a multiple of 32
+    ([100, 3], 6, 1, 40),
+])
+def test_prefill_attention_in_c_matches_sdpa(lens, num_heads, num_kv_heads, head_dim, monkeypatch):
+    torch.manual_seed(len(lens) + head_dim)
+    num_tokens = sum(lens)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim) * 2
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    tables = [list(range(-(-n // 16))) for n in lens]
+    meta = build_metadata([0] * len(lens), lens, tables, 16, torch.device("cpu"))
+    with native.torch_paths_only():
+        expected = attention_module._attend_new(q, k, v, meta, head_dim**-0.5)  # SDPA
+    kernel, calls = native.prefill_attention(), []
+    monkeypatch.setattr(native, "prefill_attention",
+                        lambda: lambda *args: calls.append(args) or kernel(*args))
+    out = attention_module._attend_new(q, k, v, meta, head_dim**-0.5)
+    assert len(calls) == 1 and out.shape == (num_tokens, num_heads * head_dim)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
+def test_prefill_attention_falls_back_to_sdpa_where_head_dim_is_not_a_multiple_of_8():
+    lens, num_heads, head_dim = [6, 3], 2, 12
+    q, k, v = (torch.randn(sum(lens), num_heads, head_dim) for _ in range(3))
+    meta = build_metadata([0, 0], lens, [[0], [1]], 16, torch.device("cpu"))
+    with native.torch_paths_only():
+        expected = attention_module._attend_new(q, k, v, meta, head_dim**-0.5)
+    torch.testing.assert_close(attention_module._attend_new(q, k, v, meta, head_dim**-0.5),
+                               expected, atol=1e-6, rtol=1e-6)
