@@ -3,8 +3,9 @@
 torch.profiler records every aten operator of a few steps; each operator's self time is
 put in one bucket: GEMMs (mm, addmm, linear), SDPA (everything under
 scaled_dot_product_attention), or the engine function it ran under (rotary, norms, the
-KV cache write, the paged-context gather, metadata, sampling, embedding, the rest of
-attention), found by wrapping those functions in `record_function` labels for this run.
+KV cache write, the paged-context gather, the prefill attention, metadata, sampling,
+embedding, the rest of attention), found by wrapping those functions in
+`record_function` labels for this run.
 Each labelled function's own time outside its operators (its Python, and the C kernels it
 calls through ctypes, which make no operator events: the packed linears, decode attention,
 RMSNorm) goes to its label; "python + alloc" is the step's wall time under the profiler
@@ -38,6 +39,7 @@ LABELLED = [
     ("distserve_engine.attention", "write_kv", "kv write"),
     ("distserve_engine.attention", "paged_attention", "attention other"),
     ("distserve_engine.attention", "_decode_native", "attention kernel"),
+    ("distserve_engine.attention", "_attend_new", "prefill attention"),
     ("distserve_engine.models.layers", "_packed_linear", "GEMM (C, packed)"),
     ("distserve_engine.models.layers", "RotaryEmbedding.forward", "rotary"),
     ("distserve_engine.models.layers", "RotaryEmbedding.table", "rotary"),

@@ -371,37 +371,47 @@ int packed_linear_f32(const float *a, int64_t lda, int64_t m, const float *packe
 }
 #endif
 
-/* SwiGLU in place, float32: gate[j] = silu(gate[j]) * up[j] for each row of a fused
- * gate_up product (row r at x + r * row_stride: `width` gate floats, then `width` up
- * floats), one pass where torch's silu_ then mul_ read the gate twice. silu(g) = g *
- * sigmoid(g), the sigmoid from e = e^-|g| (never overflows): 1 / (1 + e) for g >= 0,
- * e / (1 + e) below (0 below -60, as exp_nonpositive's vector form). Rows run in
- * parallel over `num_threads` OpenMP threads. */
+/* SwiGLU in place, float32: silu(gate[j]) * up[j] for each row of a fused gate_up
+ * product (row r at x + r * row_stride: `width` gate floats, then `width` up floats), one
+ * pass where torch's silu_ then mul_ read the gate twice. Row r's result goes over its
+ * gate, or with `compact` to x + r * width: the results then form one contiguous (rows,
+ * width) matrix at x, which the next GEMM reads without copying it first (a row's result
+ * only overwrites rows already read, so compact rows run in order, on one thread).
+ * silu(g) = g * sigmoid(g), the sigmoid from e = e^-|g| (never overflows): 1 / (1 + e)
+ * for g >= 0, e / (1 + e) below (0 below -60, as exp_nonpositive's vector form). Rows
+ * otherwise run in parallel over `num_threads` OpenMP threads. */
 static inline float sigmoid_from(float g, float e) { return (g >= 0.f ? 1.f : e) / (1.f + e); }
 
-void swiglu_f32(float *x, int64_t row_stride, int64_t rows, int64_t width, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
-    for (int64_t r = 0; r < rows; ++r) {
-        float *gate = x + r * row_stride;
-        const float *up = gate + width;
-        int64_t j = 0;
+static void swiglu_row(const float *gate, const float *up, float *out, int64_t width) {
+    int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-        const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
-        for (; j + 8 <= width; j += 8) {
-            const __m256 g = _mm256_loadu_ps(gate + j);
-            const __m256 e = exp8_nonpositive(_mm256_or_ps(g, sign));  /* e^-|g| */
-            const __m256 is_negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
-            const __m256 numerator = _mm256_blendv_ps(one, e, is_negative);
-            const __m256 sig = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
-            _mm256_storeu_ps(gate + j, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + j)));
-        }
-#endif
-        for (; j < width; ++j) {
-            const float g = gate[j], minus = -fabsf(g);
-            const float e = minus < -60.f ? 0.f : exp_nonpositive(minus);
-            gate[j] = g * sigmoid_from(g, e) * up[j];
-        }
+    const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+    for (; j + 8 <= width; j += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + j);
+        const __m256 e = exp8_nonpositive(_mm256_or_ps(g, sign));  /* e^-|g| */
+        const __m256 is_negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+        const __m256 numerator = _mm256_blendv_ps(one, e, is_negative);
+        const __m256 sig = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + j)));
     }
+#endif
+    for (; j < width; ++j) {
+        const float g = gate[j], minus = -fabsf(g);
+        const float e = minus < -60.f ? 0.f : exp_nonpositive(minus);
+        out[j] = g * sigmoid_from(g, e) * up[j];
+    }
+}
+
+void swiglu_f32(float *x, int64_t row_stride, int64_t rows, int64_t width, int compact,
+                int num_threads) {
+    if (compact) {
+        for (int64_t r = 0; r < rows; ++r)
+            swiglu_row(x + r * row_stride, x + r * row_stride + width, x + r * width, width);
+        return;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (int64_t r = 0; r < rows; ++r)
+        swiglu_row(x + r * row_stride, x + r * row_stride + width, x + r * row_stride, width);
 }
 
 /* Rotary positions in place, float32, HF's half-split form as the torch path computes

@@ -211,7 +211,7 @@ def _load():
     library.prefill_attention_f32.argtypes = [pointer] * 4 + [size] * 6 + [real, pointer,
                                                                          ctypes.c_int]
     library.prefill_attention_f32.restype = ctypes.c_int
-    library.swiglu_f32.argtypes = [pointer, size, size, size, ctypes.c_int]
+    library.swiglu_f32.argtypes = [pointer, size, size, size, ctypes.c_int, ctypes.c_int]
     library.swiglu_f32.restype = None
     library.rotary_f32.argtypes = [pointer, size, size, size, size, pointer, pointer, ctypes.c_int]
     library.rotary_f32.restype = None

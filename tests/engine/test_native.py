@@ -71,7 +71,9 @@ def test_rms_norm_in_c_matches_torch_on_rows_and_strided_views(rows, monkeypatch
 
 @needs_compiler
 @pytest.mark.parametrize("rows", [1, 33])
-def test_swiglu_in_c_matches_silu_times_up(rows, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])  # one: packed to a contiguous matrix; two: in place
+def test_swiglu_in_c_matches_silu_times_up(rows, threads, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     kernel, calls = native.swiglu(), []
     monkeypatch.setattr(native, "swiglu", lambda: lambda *args: calls.append(args) or kernel(*args))
     torch.manual_seed(rows)
@@ -87,7 +89,7 @@ def test_swiglu_in_c_matches_silu_times_up(rows, monkeypatch):
     out = mlp(x)
     gate, up = F.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
     expected = F.linear(F.silu(gate) * up, mlp.down_proj.weight)
-    assert len(calls) == 1  # through the C kernel
+    assert len(calls) == 1 and calls[0][4] == (threads == 1)  # through the C kernel
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
 
 
