@@ -8,7 +8,7 @@ embedding, the rest of attention), found by wrapping those functions in
 `record_function` labels for this run.
 Each labelled function's own time outside its operators (its Python, and the C kernels it
 calls through ctypes, which make no operator events: the packed linears, decode attention,
-RMSNorm) goes to its label; "python + alloc" is the step's wall time under the profiler
+RMSNorm; a Llama decode step's layers, all in one call) goes to its label; "python + alloc" is the step's wall time under the profiler
 less all of that.
 
     python benchmarks/engine_profile.py [--threads 1] [--steps 4] [--top 12]
@@ -40,6 +40,7 @@ LABELLED = [
     ("distserve_engine.attention", "paged_attention", "attention other"),
     ("distserve_engine.attention", "_decode_native", "attention kernel"),
     ("distserve_engine.attention", "_attend_new", "prefill attention"),
+    ("distserve_engine.models.llama", "LlamaForCausalLM._decode_in_c", "decode layers (one C call)"),
     ("distserve_engine.models.layers", "_packed_linear", "GEMM (C, packed)"),
     ("distserve_engine.models.layers", "RotaryEmbedding.forward", "rotary"),
     ("distserve_engine.models.layers", "RotaryEmbedding.table", "rotary"),

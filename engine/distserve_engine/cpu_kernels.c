@@ -612,3 +612,68 @@ int prefill_attention_f32(const float *q, const float *k, const float *v, const 
     return -1;
 }
 #endif
+
+/* llama_decode_f32: a decode step's layers of a Llama on one tp rank, float32, in one call
+ * (one new token per sequence, every linear packed: at most PACKED_MAX_ROWS sequences).
+ * Each layer runs the kernels above in the order the Python path calls them one by one:
+ * RMSNorm, the fused qkv product, rotary on q's and k's heads, k and v written into the
+ * layer's cache at each sequence's slot, paged decode attention, the output product added
+ * to the residual stream, RMSNorm, the gate_up product, SwiGLU, the down product added to
+ * the residual stream; so the hidden states come out bit for bit the same, without the
+ * Python and operator dispatch each layer costs there.
+ * hidden (batch, hidden_size): the residual stream, updated in place. weights: per layer,
+ * 7 pointers: input norm, packed qkv, qkv bias (or NULL), packed o, post-attention norm,
+ * packed gate_up, packed down. Layer l's caches start layer_stride floats after layer
+ * l - 1's, each (num_blocks, block_size, num_kv_heads, head_dim). cos and sin_signed:
+ * each sequence's rotary row (`rotary_f32`). Returns -1 where a kernel cannot run (no
+ * AVX2 and FMA) or scratch memory cannot be had. */
+int llama_decode_f32(float *hidden, int64_t batch, int64_t hidden_size, int64_t num_layers,
+                     const float *const *weights, float eps, float *k_cache, float *v_cache,
+                     int64_t layer_stride, const int64_t *slots, const int64_t *tables,
+                     int64_t max_blocks, const int64_t *context_lens, int64_t block_size,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     int64_t intermediate, const float *cos, const float *sin_signed,
+                     float scale, int num_threads) {
+    if (!packed_linear_supported()) return -1;
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    const int64_t floats = batch * (hidden_size + qkv_size + 2 * q_size + hidden_size + 3 * intermediate);
+    float *scratch = malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));
+    if (scratch == NULL) return -1;
+    float *normed = scratch, *qkv = normed + batch * hidden_size, *q = qkv + batch * qkv_size;
+    float *attended = q + batch * q_size, *projected = attended + batch * q_size;
+    float *gate_up = projected + batch * hidden_size, *act = gate_up + batch * 2 * intermediate;
+    int failed = 0;
+    for (int64_t l = 0; l < num_layers && !failed; ++l) {
+        const float *const *w = weights + 7 * l;
+        float *k_layer = k_cache + l * layer_stride, *v_layer = v_cache + l * layer_stride;
+        rms_norm_f32(hidden, hidden_size, w[0], normed, batch, hidden_size, eps);
+        failed |= packed_linear_f32(normed, hidden_size, batch, w[1], qkv_size, hidden_size, w[2],
+                                    qkv, qkv_size, num_threads) != 0;
+        rotary_f32(qkv, qkv_size, batch, num_heads + num_kv_heads, head_dim, cos, sin_signed,
+                   num_threads);
+        for (int64_t b = 0; b < batch; ++b) {
+            const float *row = qkv + b * qkv_size;
+            memcpy(q + b * q_size, row, sizeof(float) * (size_t)q_size);
+            memcpy(k_layer + slots[b] * kv_size, row + q_size, sizeof(float) * (size_t)kv_size);
+            memcpy(v_layer + slots[b] * kv_size, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
+        }
+        failed |= paged_decode_f32(q, k_layer, v_layer, tables, context_lens, batch, max_blocks,
+                                   block_size, num_heads, num_kv_heads, head_dim, scale,
+                                   attended, num_threads) != 0;
+        failed |= packed_linear_f32(attended, q_size, batch, w[3], hidden_size, q_size, NULL,
+                                    projected, hidden_size, num_threads) != 0;
+        for (int64_t i = 0; i < batch * hidden_size; ++i) hidden[i] += projected[i];
+        rms_norm_f32(hidden, hidden_size, w[4], normed, batch, hidden_size, eps);
+        failed |= packed_linear_f32(normed, hidden_size, batch, w[5], 2 * intermediate,
+                                    hidden_size, NULL, gate_up, 2 * intermediate, num_threads) != 0;
+        for (int64_t b = 0; b < batch; ++b)
+            swiglu_row(gate_up + b * 2 * intermediate, gate_up + b * 2 * intermediate + intermediate,
+                       act + b * intermediate, intermediate);
+        failed |= packed_linear_f32(act, intermediate, batch, w[6], hidden_size, intermediate, NULL,
+                                    projected, hidden_size, num_threads) != 0;
+        for (int64_t i = 0; i < batch * hidden_size; ++i) hidden[i] += projected[i];
+    }
+    free(scratch);
+    return failed ? -1 : 0;
+}

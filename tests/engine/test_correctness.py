@@ -6,8 +6,10 @@ import pytest
 import torch
 from reference import hf_greedy, hf_logits, hf_model, hf_model_from_gguf
 
+from distserve_engine import native
 from distserve_engine.config import EngineConfig
 from distserve_engine.generate import generate
+from distserve_engine.models.llama import LlamaForCausalLM
 from distserve_engine.runner import ModelRunner
 from distserve_engine.sampling import SamplingParams
 
@@ -52,6 +54,26 @@ def test_decode_logits_match_transformers(tiny_llama_dir):
     for row, seq in enumerate(seqs):
         expected = hf_logits(ref, seq.token_ids[:-1])[-1]
         torch.testing.assert_close(runner.last_logits[row], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_decode_step_in_one_c_call_is_the_layers_one_by_one_bit_for_bit(tiny_llama_dir,
+                                                                          monkeypatch):
+    kernel = native.llama_decode()
+    if kernel is None:
+        pytest.skip("the CPU engine's C kernels cannot be built here")
+    calls = []
+    monkeypatch.setattr(native, "llama_decode",
+                        lambda: lambda *args: calls.append(args) or kernel(*args))
+    fused_runner = tiny_runner(tiny_llama_dir)
+    prompts = make_prompts(fused_runner.model_config.vocab_size, [3, 21, 9], seed=4)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    fused = generate(fused_runner, prompts, params)
+    assert len(calls) == 11  # every decode step (the first token comes from the prefill)
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_in_c", lambda *args: False)
+    layered_runner = tiny_runner(tiny_llama_dir)
+    layered = generate(layered_runner, prompts, params)
+    assert [s.output_token_ids for s in fused] == [s.output_token_ids for s in layered]
+    assert torch.equal(fused_runner.last_logits, layered_runner.last_logits)
 
 
 def test_bf16_cpu_close_to_fp32(tiny_llama_dir):

@@ -6,6 +6,8 @@ through the paged cache (`attention.py`). Weights keep HF names and layout.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -114,9 +116,64 @@ class LlamaForCausalLM(CausalLM):
         """Token ids (T,) on the first stage, else hidden (T, hidden) -> hidden (T, hidden)."""
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x.clone()
         rope = self.rotary.table(meta.positions, hidden.dtype)  # once per step, not per layer
+        if self._decode_in_c(hidden, meta, kv_cache, rope):
+            return hidden
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, meta, rope, *kv_cache.layer(i))
         return hidden
+
+    def _decode_in_c(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
+                     rope: RopeTable) -> bool:
+        """Run a decode step's layers by one C call (`native.llama_decode`: the same kernels
+        the layers call, in the same order), updating hidden in place; False where it does
+        not apply (CUDA, other dtypes, tp > 1, a prefill, more rows than a packed linear
+        takes, a linear without its packed copy) and the layers run one by one."""
+        kernel = native.llama_decode()
+        if (kernel is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
+                or self.state.tp != 1 or meta.is_context_new or meta.num_queries != 1
+                or hidden.shape[0] > native.PACKED_MAX_ROWS or not self.layers):
+            return False
+        weights = self._packed_decode_weights()
+        k, v = kv_cache.k, kv_cache.v
+        cos, signed_sin = rope
+        if weights is None or not (k.is_contiguous() and v.is_contiguous()
+                                   and cos.is_contiguous() and signed_sin.is_contiguous()):
+            return False
+        attention, c = self.layers[0].self_attn, self.config
+        status = kernel(
+            hidden.data_ptr(), hidden.shape[0], hidden.shape[1], len(self.layers), weights,
+            c.norm_eps, k.data_ptr(), v.data_ptr(), k[0].numel(), meta.slot_mapping.data_ptr(),
+            meta.block_tables.data_ptr(), meta.block_tables.shape[1], meta.context_lens.data_ptr(),
+            k.shape[2], attention.num_heads, attention.num_kv_heads, attention.head_dim,
+            self.layers[0].mlp.down_proj.in_features, cos.data_ptr(), signed_sin.data_ptr(),
+            attention.scale, torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"decode step in C: no scratch memory for {hidden.shape[0]} sequences")
+        return True
+
+    def _packed_decode_weights(self):
+        """Per layer, the 7 pointers `native.llama_decode` reads (norms, packed linears,
+        the qkv bias or NULL), made once; None where a linear has no packed copy or
+        o_proj has a bias."""
+        if not hasattr(self, "_decode_weights"):
+            pointers = []
+            for layer in self.layers:
+                attention, mlp = layer.self_attn, layer.mlp
+                linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                if any(getattr(m, "weight_packed", None) is None for m in linears) or (
+                        attention.o_proj.bias is not None):
+                    self._decode_weights = None
+                    return None
+                bias = attention.qkv_proj.bias
+                pointers += [layer.input_layernorm.weight.data_ptr(),
+                             attention.qkv_proj.weight_packed.data_ptr(),
+                             None if bias is None else bias.data_ptr(),
+                             attention.o_proj.weight_packed.data_ptr(),
+                             layer.post_attention_layernorm.weight.data_ptr(),
+                             mlp.gate_up_proj.weight_packed.data_ptr(),
+                             mlp.down_proj.weight_packed.data_ptr()]
+            self._decode_weights = (ctypes.c_void_p * len(pointers))(*pointers)
+        return self._decode_weights
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm; (B, hidden) -> (B, hidden)."""
