@@ -7,9 +7,9 @@ KV cache write, the paged-context gather, the prefill attention, metadata, sampl
 embedding, the rest of attention), found by wrapping those functions in
 `record_function` labels for this run.
 Each labelled function's own time outside its operators (its Python, and the C kernels it
-calls through ctypes, which make no operator events: the packed linears, decode attention,
-RMSNorm; a Llama decode step's layers, all in one call) goes to its label; "python + alloc" is the step's wall time under the profiler
-less all of that.
+calls through ctypes, which make no operator events: the packed linears, decode
+attention, RMSNorm; a Llama decode step's layers, all in one call) goes to its label;
+"python + alloc" is the step's wall time under the profiler less all of that.
 
     python benchmarks/engine_profile.py [--threads 1] [--steps 4] [--top 12]
 """
