@@ -171,19 +171,20 @@ def _attend_new(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attenti
                 scale: float) -> torch.Tensor:
     """A prefill over new tokens only: causal attention over the batch's own K/V (the C
     kernel on the CPU in float32, unpadded; else SDPA over the padded batch)."""
-    if q.dtype == torch.float32 and q.device.type == "cpu" and all(
-            t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v)) and (
-            k.stride(0) == v.stride(0)):
-        kernel = native.prefill_attention()
-        if kernel is not None:
-            num_tokens, num_heads, head_dim = q.shape
-            out = q.new_empty(num_tokens, num_heads * head_dim)
-            lens = meta.context_lens  # int64, contiguous: a new context is the new tokens
-            status = kernel(q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(),
-                            lens.shape[0], num_heads, k.shape[1], head_dim, q.stride(0),
-                            k.stride(0), scale, out.data_ptr(), torch.get_num_threads())
-            if status == 0:
-                return out
+    num_tokens, num_heads, head_dim = q.shape
+    kernel = native.prefill_attention() if (
+        q.dtype == torch.float32 and q.device.type == "cpu" and head_dim % 8 == 0) else None
+    if kernel is not None and k.stride(0) == v.stride(0) and all(
+            t.stride(-1) == 1 and t.stride(-2) == head_dim for t in (q, k, v)):
+        out = q.new_empty(num_tokens, num_heads * head_dim)
+        lens = meta.context_lens  # int64, contiguous: a new context is the new tokens
+        status = kernel(q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(), lens.shape[0],
+                        num_heads, k.shape[1], head_dim, q.stride(0), k.stride(0), scale,
+                        out.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"prefill attention: no scratch memory for {lens.shape[0]} "
+                              f"sequences of up to {meta.num_queries} tokens")
+        return out
     out = _sdpa(_padded(q, meta), _padded(k, meta), _padded(v, meta), None, scale)
     return _unpadded(out, meta)
 

@@ -112,25 +112,19 @@ def build(flags: list[str] | None = None) -> Path:
 def paged_decode():
     """The C decode-attention function, or None where the kernels cannot be built or
     loaded here."""
-    library = _library()
-    return None if library is None else library.paged_decode_f32
+    return _kernel("paged_decode_f32")
 
 
 def pack_linear():
     """The C function that packs a float32 (out, in) weight for `packed_linear`, or None
     where the kernels cannot be built or loaded here or this CPU lacks AVX2 and FMA."""
-    return _packed_kernel("pack_linear_f32")
+    return _kernel("pack_linear_f32", needs_avx2=True)
 
 
 def packed_linear():
     """The C product of up to PACKED_MAX_ROWS float32 rows with a packed weight, or None
     (as `pack_linear`)."""
-    return _packed_kernel("packed_linear_f32")
-
-
-def _packed_kernel(name: str):
-    library = _library()
-    return getattr(library, name) if library is not None and library.has_packed_linear else None
+    return _kernel("packed_linear_f32", needs_avx2=True)
 
 
 def packed_linear_size(out_features: int, in_features: int) -> int:
@@ -140,38 +134,40 @@ def packed_linear_size(out_features: int, in_features: int) -> int:
 
 def rms_norm():
     """The C RMSNorm function, or None where the kernels cannot be built or loaded here."""
-    library = _library()
-    return None if library is None else library.rms_norm_f32
+    return _kernel("rms_norm_f32")
 
 
 def prefill_attention():
-    """The C causal attention of a prefill over its own new tokens, or None where the
-    kernels cannot be built or loaded here (the function itself returns -1 where this CPU
-    lacks AVX2 and FMA or head_dim is not a multiple of 8)."""
-    library = _library()
-    return None if library is None else library.prefill_attention_f32
+    """The C causal attention of a prefill over its own new tokens (head_dim a multiple
+    of 8), or None (as `pack_linear`)."""
+    return _kernel("prefill_attention_f32", needs_avx2=True)
 
 
 def llama_decode():
-    """The C function that runs a Llama decode step's layers in one call, or None where
-    the kernels cannot be built or loaded here (it returns -1 where this CPU lacks AVX2
-    and FMA)."""
-    library = _library()
-    return None if library is None else library.llama_decode_f32
+    """The C function that runs a Llama decode step's layers in one call, or None (as
+    `pack_linear`)."""
+    return _kernel("llama_decode_f32", needs_avx2=True)
 
 
 def swiglu():
     """The C in-place SwiGLU of a fused gate_up product, or None where the kernels cannot
     be built or loaded here."""
-    library = _library()
-    return None if library is None else library.swiglu_f32
+    return _kernel("swiglu_f32")
 
 
 def rotary():
     """The C in-place rotary rotation of q's and k's heads, or None where the kernels
     cannot be built or loaded here."""
+    return _kernel("rotary_f32")
+
+
+def _kernel(name: str, needs_avx2: bool = False):
+    """The library's function `name`; None where the kernels cannot be built or loaded
+    here, or, with needs_avx2, where they were built without AVX2 and FMA."""
     library = _library()
-    return None if library is None else library.rotary_f32
+    if library is None or (needs_avx2 and not library.has_packed_linear):
+        return None
+    return getattr(library, name)
 
 
 @contextlib.contextmanager
@@ -204,8 +200,9 @@ def _load():
     try:
         library = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError) as e:
-        log.warning("the CPU engine runs torch's paths for decode attention, RMSNorm, "
-                    "SwiGLU, rotary and the decode linears, slower: its C kernels are not available (%s)", e)
+        log.warning("the CPU engine runs torch's paths for attention, RMSNorm, SwiGLU, "
+                    "rotary and the decode linears, slower: its C kernels are not available "
+                    "(%s)", e)
         return None
     pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     library.paged_decode_f32.argtypes = [pointer] * 5 + [size] * 6 + [real, pointer, ctypes.c_int]
