@@ -128,6 +128,27 @@ static inline __m256 exp8_nonpositive(__m256 x) {
     return _mm256_and_ps(e, _mm256_cmp_ps(x, _mm256_set1_ps(-60.f), _CMP_GE_OQ));
 }
 
+/* row[t] = e^(row[t] - max(row)) over row[0..len), in place (0 below e^-60, as
+ * attend_one), 8 lanes at a time; returns their sum: softmax's weights before dividing. */
+static inline float softmax_weights8(float *row, int64_t len) {
+    float top = -FLT_MAX, total = 0.f;
+    for (int64_t t = 0; t < len; ++t) top = row[t] > top ? row[t] : top;
+    const __m256 top8 = _mm256_set1_ps(top);
+    __m256 total8 = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) {
+        const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), top8));
+        _mm256_storeu_ps(row + t, e);
+        total8 = _mm256_add_ps(total8, e);
+    }
+    for (; t < len; ++t) {
+        const float shifted = row[t] - top;
+        row[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
+        total += row[t];
+    }
+    return total + sum8(total8);
+}
+
 /* attend_one in 8-float vectors, for head_dim a multiple of 8. Tokens are the outer
  * loop, so each token's keys (then values) of all KV heads are read in one pass, in the
  * order the cache holds them: front to back through each block. scores (num_heads, len)
@@ -146,23 +167,9 @@ static void attend_one_x8(const float *q, const int64_t *table, int64_t len, con
         }
     }
     for (int64_t h = 0; h < c->num_heads; ++h) {
-        float *row = scores + h * len, top = -FLT_MAX, total = 0.f;
-        for (int64_t t = 0; t < len; ++t) top = row[t] > top ? row[t] : top;
-        const __m256 top8 = _mm256_set1_ps(top);
-        __m256 total8 = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 8 <= len; t += 8) {
-            const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), top8));
-            _mm256_storeu_ps(row + t, e);
-            total8 = _mm256_add_ps(total8, e);
-        }
-        for (; t < len; ++t) {
-            const float shifted = row[t] - top;
-            row[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
-            total += row[t];
-        }
-        const float inverse = 1.f / (total + sum8(total8));
-        for (t = 0; t < len; ++t) row[t] *= inverse;
+        float *row = scores + h * len;
+        const float inverse = 1.f / softmax_weights8(row, len);
+        for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
     }
     memset(out, 0, sizeof(float) * (size_t)(c->num_heads * dim));
     for (int64_t t = 0; t < len; ++t) {
@@ -513,30 +520,8 @@ static inline __attribute__((always_inline)) void attention_block(
     for (; tile < tiles; ++tile) attention_scores(rows, 1, q, kt, tile, head_dim, scale, scores);
     float inverse[ATTN_ROWS];
     for (int r = 0; r < rows; ++r) {  /* softmax over the row's own keys; 0 past them */
-        float *s = scores[r];
-        const int64_t count = counts[r];
-        __m256 top8 = _mm256_set1_ps(-FLT_MAX);
-        int64_t j = 0;
-        for (; j + 8 <= count; j += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + j));
-        float top = -FLT_MAX, lanes[8];
-        _mm256_storeu_ps(lanes, top8);
-        for (int x = 0; x < 8; ++x) top = lanes[x] > top ? lanes[x] : top;
-        for (; j < count; ++j) top = s[j] > top ? s[j] : top;
-        __m256 sum8_ = _mm256_setzero_ps();
-        const __m256 top_v = _mm256_set1_ps(top);
-        for (j = 0; j + 8 <= count; j += 8) {
-            const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), top_v));
-            _mm256_storeu_ps(s + j, e);
-            sum8_ = _mm256_add_ps(sum8_, e);
-        }
-        float sum = sum8(sum8_);
-        for (; j < count; ++j) {
-            const float x = s[j] - top;
-            s[j] = x < -60.f ? 0.f : exp_nonpositive(x);
-            sum += s[j];
-        }
-        for (; j < n; ++j) s[j] = 0.f;
-        inverse[r] = 1.f / sum;
+        inverse[r] = 1.f / softmax_weights8(scores[r], counts[r]);
+        for (int64_t j = counts[r]; j < n; ++j) scores[r][j] = 0.f;
     }
     int64_t c = 0;
     for (; c + 8 * ATTN_TILES <= head_dim; c += 8 * ATTN_TILES)

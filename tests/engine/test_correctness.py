@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import hf_greedy, hf_logits, hf_model, hf_model_from_gguf
+from test_native import spy_on_kernel
 
-from distserve_engine import native
 from distserve_engine.config import EngineConfig
 from distserve_engine.generate import generate
 from distserve_engine.models.llama import LlamaForCausalLM
@@ -58,12 +58,9 @@ def test_decode_logits_match_transformers(tiny_llama_dir):
 
 def test_a_decode_step_in_one_c_call_is_the_layers_one_by_one_bit_for_bit(tiny_llama_dir,
                                                                           monkeypatch):
-    kernel = native.llama_decode()
+    kernel, calls = spy_on_kernel(monkeypatch, "llama_decode")
     if kernel is None:
         pytest.skip("the CPU engine's C kernels cannot be built here")
-    calls = []
-    monkeypatch.setattr(native, "llama_decode",
-                        lambda: lambda *args: calls.append(args) or kernel(*args))
     fused_runner = tiny_runner(tiny_llama_dir)
     prompts = make_prompts(fused_runner.model_config.vocab_size, [3, 21, 9], seed=4)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

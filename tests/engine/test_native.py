@@ -28,6 +28,14 @@ needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which(
                                     reason="no C compiler on this machine")
 
 
+def spy_on_kernel(monkeypatch, name: str):
+    """`native.<name>()`'s kernel, and the list its calls' arguments are recorded in while
+    the accessor hands out a wrapper of it."""
+    kernel, calls = getattr(native, name)(), []
+    monkeypatch.setattr(native, name, lambda: lambda *args: calls.append(args) or kernel(*args))
+    return kernel, calls
+
+
 @needs_compiler
 def test_the_c_kernel_is_built_once_into_the_kernel_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTSERVE_KERNEL_DIR", str(tmp_path))
@@ -55,8 +63,7 @@ def test_without_a_compiler_decode_falls_back_to_torch_and_says_why(tmp_path, mo
 @needs_compiler
 @pytest.mark.parametrize("rows", [1, 7])
 def test_rms_norm_in_c_matches_torch_on_rows_and_strided_views(rows, monkeypatch):
-    kernel, calls = native.rms_norm(), []
-    monkeypatch.setattr(native, "rms_norm", lambda: lambda *args: calls.append(args) or kernel(*args))
+    _, calls = spy_on_kernel(monkeypatch, "rms_norm")
     torch.manual_seed(rows)
     norm = RMSNorm(576, 1e-5)
     norm.weight.data.normal_()
@@ -74,8 +81,7 @@ def test_rms_norm_in_c_matches_torch_on_rows_and_strided_views(rows, monkeypatch
 @pytest.mark.parametrize("threads", [1, 2])  # one: packed to a contiguous matrix; two: in place
 def test_swiglu_in_c_matches_silu_times_up(rows, threads, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    kernel, calls = native.swiglu(), []
-    monkeypatch.setattr(native, "swiglu", lambda: lambda *args: calls.append(args) or kernel(*args))
+    _, calls = spy_on_kernel(monkeypatch, "swiglu")
     torch.manual_seed(rows)
     # 44 intermediate features: five vectors of 8 floats, then a scalar tail of 4
     config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 10,
@@ -103,8 +109,7 @@ def test_rotary_in_c_matches_the_torch_rotation_and_leaves_v_alone(monkeypatch):
     expected = qk.clone()
     with native.torch_paths_only():
         RotaryEmbedding.rotate_(expected, table)
-    kernel, calls = native.rotary(), []
-    monkeypatch.setattr(native, "rotary", lambda: lambda *args: calls.append(args) or kernel(*args))
+    _, calls = spy_on_kernel(monkeypatch, "rotary")
     v = qkv[:, 12 * 64:].clone()
     RotaryEmbedding.rotate_(qk, table)
     assert len(calls) == 1
@@ -195,9 +200,7 @@ def test_prefill_attention_in_c_matches_sdpa(lens, num_heads, num_kv_heads, head
     meta = build_metadata([0] * len(lens), lens, tables, 16, torch.device("cpu"))
     with native.torch_paths_only():
         expected = attention_module._attend_new(q, k, v, meta, head_dim**-0.5)  # SDPA
-    kernel, calls = native.prefill_attention(), []
-    monkeypatch.setattr(native, "prefill_attention",
-                        lambda: lambda *args: calls.append(args) or kernel(*args))
+    _, calls = spy_on_kernel(monkeypatch, "prefill_attention")
     out = attention_module._attend_new(q, k, v, meta, head_dim**-0.5)
     assert len(calls) == 1 and out.shape == (num_tokens, num_heads * head_dim)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

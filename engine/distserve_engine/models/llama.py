@@ -128,10 +128,12 @@ class LlamaForCausalLM(CausalLM):
         the layers call, in the same order), updating hidden in place; False where it does
         not apply (CUDA, other dtypes, tp > 1, a prefill, more rows than a packed linear
         takes, a linear without its packed copy) and the layers run one by one."""
-        kernel = native.llama_decode()
-        if (kernel is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
-                or self.state.tp != 1 or meta.is_context_new or meta.num_queries != 1
+        if (meta.is_context_new or meta.num_queries != 1 or hidden.dtype != torch.float32
+                or hidden.device.type != "cpu" or self.state.tp != 1
                 or hidden.shape[0] > native.PACKED_MAX_ROWS or not self.layers):
+            return False
+        kernel = native.llama_decode()
+        if kernel is None:
             return False
         weights = self._packed_decode_weights()
         k, v = kv_cache.k, kv_cache.v
