@@ -19,8 +19,11 @@
  * packed once into panels of 16 output features, each panel k rows of 16 floats, so a
  * product reads the weight once, front to back, one cache line per input feature. Each
  * panel is multiplied by the rows of x in blocks of at most 6 (12 accumulators of 8
- * floats), the blocks' sizes evened out (8 rows: 4 + 4, not 6 + 2). Panels run in
- * parallel over `num_threads` OpenMP threads.
+ * floats), the blocks' sizes evened out (8 rows: 4 + 4, not 6 + 2). Built for AVX-512
+ * (x86-64-v4), three rows or more go two panels at a time in blocks of at most 12 rows
+ * (24 accumulators of 16 floats: half the broadcasts per multiply-add, and a product of
+ * 32 rows in 3 blocks where 6 read each panel again). Panels run in parallel over
+ * `num_threads` OpenMP threads.
  */
 #include <float.h>
 #include <math.h>
@@ -324,6 +327,91 @@ static inline __attribute__((always_inline)) void rows_times_two_panels(
     }
 }
 
+#if defined(__AVX512F__)
+#define MAX_ROWS_512 12 /* 12 x 2 accumulators + 2 panel vectors + 1 broadcast of 32 zmm */
+
+/* c (rows, cols <= 2 PANEL) = a (rows, k) x [panel | the panel after it] (+ bias), the
+ * second panel only when `two` (cols <= PANEL otherwise); rows and two constants once
+ * inlined, so the accumulators stay in registers. A partial panel is stored by mask. */
+static inline __attribute__((always_inline)) void block_times_panels_512(
+    const int rows, const int two, const float *a, int64_t lda, const float *panel,
+    int64_t k, const float *bias, float *c, int64_t ldc, int64_t cols, const float *ahead) {
+    __m512 first[MAX_ROWS_512], second[MAX_ROWS_512];
+    const __mmask16 mask0 = cols >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1u);
+    const __mmask16 mask1 = !two || cols <= PANEL ? (__mmask16)0
+        : cols >= 2 * PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - PANEL)) - 1u);
+    const __m512 bias0 = bias != NULL ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
+    const __m512 bias1 = bias != NULL && two ? _mm512_maskz_loadu_ps(mask1, bias + PANEL)
+                                             : _mm512_setzero_ps();
+    const float *next = panel + k * PANEL;
+#pragma GCC unroll 12
+    for (int r = 0; r < rows; ++r) {
+        first[r] = bias0;
+        second[r] = bias1;
+    }
+    for (int64_t j = 0; j < k; ++j) {
+        const __m512 w0 = _mm512_load_ps(panel + j * PANEL);
+        const __m512 w1 = two ? _mm512_load_ps(next + j * PANEL) : w0;
+        if (ahead != NULL) {
+            _mm_prefetch((const char *)(ahead + 2 * j * PANEL), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ahead + (2 * j + 1) * PANEL), _MM_HINT_T0);
+        }
+#pragma GCC unroll 12
+        for (int r = 0; r < rows; ++r) {
+            const __m512 x = _mm512_set1_ps(a[r * lda + j]);
+            first[r] = _mm512_fmadd_ps(x, w0, first[r]);
+            if (two) second[r] = _mm512_fmadd_ps(x, w1, second[r]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < rows; ++r) {
+        _mm512_mask_storeu_ps(c + r * ldc, mask0, first[r]);
+        if (two) _mm512_mask_storeu_ps(c + r * ldc + PANEL, mask1, second[r]);
+    }
+}
+
+#define ROWS_CASE_512(n)                                                                     \
+    case n:                                                                                  \
+        if (two) block_times_panels_512(n, 1, a, lda, panel, k, bias, c, ldc, cols, ahead); \
+        else block_times_panels_512(n, 0, a, lda, panel, k, bias, c, ldc, cols, ahead);     \
+        break;
+
+static void rows_times_panels_512(int rows, int two, const float *a, int64_t lda,
+                                  const float *panel, int64_t k, const float *bias, float *c,
+                                  int64_t ldc, int64_t cols, const float *ahead) {
+    switch (rows) {
+    ROWS_CASE_512(12) ROWS_CASE_512(11) ROWS_CASE_512(10) ROWS_CASE_512(9)
+    ROWS_CASE_512(8) ROWS_CASE_512(7) ROWS_CASE_512(6) ROWS_CASE_512(5)
+    ROWS_CASE_512(4) ROWS_CASE_512(3) ROWS_CASE_512(2)
+    default: ROWS_CASE_512(1)
+    }
+}
+
+/* packed_linear_f32's rows (three or more) two panels at a time, blocks of at most
+ * MAX_ROWS_512 rows evened out; an odd last panel alone. */
+static void packed_linear_512(const float *a, int64_t lda, int64_t m, const float *packed,
+                              int64_t n, int64_t k, const float *bias, float *c, int64_t ldc,
+                              int num_threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;
+    const int64_t blocks = (m + MAX_ROWS_512 - 1) / MAX_ROWS_512;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+        const int64_t p = 2 * pair, left = n - p * PANEL;
+        const int64_t cols = left < 2 * PANEL ? left : 2 * PANEL;
+        const int two = p + 1 < panels;
+        int64_t first = 0;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t rows = (m - first + (blocks - b) - 1) / (blocks - b);
+            rows_times_panels_512((int)rows, two, a + first * lda, lda, packed + p * k * PANEL,
+                                  k, bias != NULL ? bias + p * PANEL : NULL,
+                                  c + first * ldc + p * PANEL, ldc, cols,
+                                  b == blocks - 1 && p + 2 < panels ? packed + (p + 2) * k * PANEL : NULL);
+            first += rows;
+        }
+    }
+}
+#endif
+
 /* packed (whole panels: n rounded up to 16, times k floats; 32-byte aligned) from W (n, k),
  * row-major; the last panel's missing features are zeros. */
 int pack_linear_f32(const float *w, int64_t n, int64_t k, float *packed) {
@@ -339,6 +427,12 @@ int pack_linear_f32(const float *w, int64_t n, int64_t k, float *packed) {
 /* c (m, n), rows ldc floats apart = a (m, k), rows lda apart, x W^T (+ bias (n,) or NULL). */
 int packed_linear_f32(const float *a, int64_t lda, int64_t m, const float *packed, int64_t n,
                       int64_t k, const float *bias, float *c, int64_t ldc, int num_threads) {
+#if defined(__AVX512F__)
+    if (m > 2) {
+        packed_linear_512(a, lda, m, packed, n, k, bias, c, ldc, num_threads);
+        return 0;
+    }
+#endif
     const int64_t panels = (n + PANEL - 1) / PANEL, blocks = (m + MAX_ROWS - 1) / MAX_ROWS;
     /* One or two rows: whole panels p and p + half side by side (the last, partial or odd
      * panel goes the usual way below). */
