@@ -135,10 +135,18 @@ static inline __m256 exp8_nonpositive(__m256 x) {
  * attend_one), 8 lanes at a time; returns their sum: softmax's weights before dividing. */
 static inline float softmax_weights8(float *row, int64_t len) {
     float top = -FLT_MAX, total = 0.f;
-    for (int64_t t = 0; t < len; ++t) top = row[t] > top ? row[t] : top;
+    /* the max 8 lanes at a time (a scalar max is one dependent chain through the row);
+     * max_ps(x, m) is x > m ? x : m, as the scalar tail, so the same value comes out */
+    __m256 max8 = _mm256_set1_ps(-FLT_MAX);
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) max8 = _mm256_max_ps(_mm256_loadu_ps(row + t), max8);
+    for (; t < len; ++t) top = row[t] > top ? row[t] : top;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, max8);
+    for (int l = 0; l < 8; ++l) top = lanes[l] > top ? lanes[l] : top;
     const __m256 top8 = _mm256_set1_ps(top);
     __m256 total8 = _mm256_setzero_ps();
-    int64_t t = 0;
+    t = 0;
     for (; t + 8 <= len; t += 8) {
         const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), top8));
         _mm256_storeu_ps(row + t, e);
@@ -624,11 +632,95 @@ static inline __attribute__((always_inline)) void attention_block(
         attention_values(rows, 1, (const float *const *)scores, v, kv_stride, n, inverse, out, c);
 }
 
+#if defined(__AVX512F__)
+/* The same in 16-float vectors (AVX-512, head_dim a multiple of 16): keys packed in tiles
+ * of 16, blocks of up to ATTN_ROWS_512 rows (two queries' grouped heads at SmolLM2's 3),
+ * so each key and value vector is loaded once for twice the rows. */
+#define ATTN_ROWS_512 6
+
+static inline __attribute__((always_inline)) void attention_scores_512(
+    const int rows, const int tiles, const float *const *q, const float *kt, int64_t tile0,
+    int64_t head_dim, float scale, float *const *scores) {
+    __m512 acc[ATTN_ROWS_512][ATTN_TILES];
+    for (int r = 0; r < rows; ++r)
+        for (int t = 0; t < tiles; ++t) acc[r][t] = _mm512_setzero_ps();
+    const float *base = kt + tile0 * head_dim * 16;
+    for (int64_t d = 0; d < head_dim; ++d) {
+        __m512 keys[ATTN_TILES];
+        for (int t = 0; t < tiles; ++t) keys[t] = _mm512_loadu_ps(base + (t * head_dim + d) * 16);
+        for (int r = 0; r < rows; ++r) {
+            const __m512 x = _mm512_set1_ps(q[r][d]);
+            for (int t = 0; t < tiles; ++t) acc[r][t] = _mm512_fmadd_ps(x, keys[t], acc[r][t]);
+        }
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int r = 0; r < rows; ++r)
+        for (int t = 0; t < tiles; ++t)
+            _mm512_storeu_ps(scores[r] + (tile0 + t) * 16, _mm512_mul_ps(acc[r][t], s));
+}
+
+static inline __attribute__((always_inline)) void attention_values_512(
+    const int rows, const int vectors, const float *const *p, const float *v, int64_t kv_stride,
+    int64_t n, const float *inverse, float *const *out, int64_t c) {
+    __m512 acc[ATTN_ROWS_512][ATTN_TILES];
+    for (int r = 0; r < rows; ++r)
+        for (int x = 0; x < vectors; ++x) acc[r][x] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+        __m512 values[ATTN_TILES];
+        for (int x = 0; x < vectors; ++x) values[x] = _mm512_loadu_ps(v + j * kv_stride + c + 16 * x);
+        for (int r = 0; r < rows; ++r) {
+            const __m512 w = _mm512_set1_ps(p[r][j]);
+            for (int x = 0; x < vectors; ++x) acc[r][x] = _mm512_fmadd_ps(w, values[x], acc[r][x]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        const __m512 inv = _mm512_set1_ps(inverse[r]);
+        for (int x = 0; x < vectors; ++x)
+            _mm512_storeu_ps(out[r] + c + 16 * x, _mm512_mul_ps(acc[r][x], inv));
+    }
+}
+
+static inline __attribute__((always_inline)) void attention_block_512(
+    const int rows, const float *const *q, const int64_t *counts, const float *kt,
+    const float *v, int64_t kv_stride, int64_t n, int64_t head_dim, float scale,
+    float *const *scores, float *const *out) {
+    const int64_t tiles = (n + 15) / 16;
+    int64_t tile = 0;
+    for (; tile + ATTN_TILES <= tiles; tile += ATTN_TILES)
+        attention_scores_512(rows, ATTN_TILES, q, kt, tile, head_dim, scale, scores);
+    for (; tile < tiles; ++tile) attention_scores_512(rows, 1, q, kt, tile, head_dim, scale, scores);
+    float inverse[ATTN_ROWS_512];
+    for (int r = 0; r < rows; ++r) {
+        inverse[r] = 1.f / softmax_weights8(scores[r], counts[r]);
+        for (int64_t j = counts[r]; j < n; ++j) scores[r][j] = 0.f;
+    }
+    int64_t c = 0;
+    for (; c + 16 * ATTN_TILES <= head_dim; c += 16 * ATTN_TILES)
+        attention_values_512(rows, ATTN_TILES, (const float *const *)scores, v, kv_stride, n, inverse, out, c);
+    for (; c < head_dim; c += 16)
+        attention_values_512(rows, 1, (const float *const *)scores, v, kv_stride, n, inverse, out, c);
+}
+
+#define ATTN_BLOCK_512(n)                                                                    \
+    case n: attention_block_512(n, qs, counts, kt, values, kv_stride, m, head_dim, scale, scores, outs); break;
+#define KEY_TILE_WIDE 16
+#else
+#define ATTN_ROWS_512 ATTN_ROWS
+#define KEY_TILE_WIDE 8
+#endif
+
 int prefill_attention_f32(const float *q, const float *k, const float *v, const int64_t *lens,
                           int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t q_stride, int64_t kv_stride, float scale,
                           float *out, int num_threads) {
     if (head_dim % 8 != 0) return -1;
+#if defined(__AVX512F__)
+    const int wide = head_dim % 16 == 0;
+#else
+    const int wide = 0;
+#endif
+    /* keys per packed tile, and rows per block */
+    const int64_t width = wide ? KEY_TILE_WIDE : 8, most_rows = wide ? ATTN_ROWS_512 : ATTN_ROWS;
     const int64_t group = num_heads / num_kv_heads;
     int64_t longest = 0, *firsts = malloc(sizeof(int64_t) * (batch > 0 ? batch : 1));
     if (firsts == NULL) return -1;
@@ -636,11 +728,11 @@ int prefill_attention_f32(const float *q, const float *k, const float *v, const 
         firsts[b] = first;
         longest = lens[b] > longest ? lens[b] : longest;
     }
-    const int64_t padded = (longest + 7) / 8 * 8;
+    const int64_t padded = (longest + width - 1) / width * width;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed) if (num_threads > 1)
     {
-        float *kt = malloc(sizeof(float) * (padded * head_dim + ATTN_ROWS * padded + 1));
+        float *kt = malloc(sizeof(float) * (padded * head_dim + most_rows * padded + 1));
         if (kt == NULL) {
             failed = 1;
         } else {
@@ -648,19 +740,19 @@ int prefill_attention_f32(const float *q, const float *k, const float *v, const 
 #pragma omp for schedule(dynamic)
             for (int64_t task = 0; task < batch * num_kv_heads; ++task) {
                 const int64_t b = task / num_kv_heads, g = task % num_kv_heads, len = lens[b];
-                const int64_t first = firsts[b], tiles = (len + 7) / 8;
-                for (int64_t j = 0; j < tiles * 8; ++j) {  /* keys, transposed by tiles */
+                const int64_t first = firsts[b], tiles = (len + width - 1) / width;
+                for (int64_t j = 0; j < tiles * width; ++j) {  /* keys, transposed by tiles */
                     const float *key = k + (first + j) * kv_stride + g * head_dim;
-                    float *column = kt + (j / 8) * head_dim * 8 + j % 8;
-                    for (int64_t d = 0; d < head_dim; ++d) column[d * 8] = j < len ? key[d] : 0.f;
+                    float *column = kt + (j / width) * head_dim * width + j % width;
+                    for (int64_t d = 0; d < head_dim; ++d) column[d * width] = j < len ? key[d] : 0.f;
                 }
                 const float *values = v + first * kv_stride + g * head_dim;
-                /* the rows (query i, head h of the group) in order, ATTN_ROWS at a time */
-                for (int64_t row = 0; row < len * group; row += ATTN_ROWS) {
-                    const int rows = (int)(len * group - row < ATTN_ROWS ? len * group - row : ATTN_ROWS);
-                    const float *qs[ATTN_ROWS];
-                    float *scores[ATTN_ROWS], *outs[ATTN_ROWS];
-                    int64_t counts[ATTN_ROWS], n = 0;
+                /* the rows (query i, head h of the group) in order, most_rows at a time */
+                for (int64_t row = 0; row < len * group; row += most_rows) {
+                    const int rows = (int)(len * group - row < most_rows ? len * group - row : most_rows);
+                    const float *qs[ATTN_ROWS_512];
+                    float *scores[ATTN_ROWS_512], *outs[ATTN_ROWS_512];
+                    int64_t counts[ATTN_ROWS_512], n = 0;
                     for (int r = 0; r < rows; ++r) {
                         const int64_t i = (row + r) / group, h = g * group + (row + r) % group;
                         qs[r] = q + (first + i) * q_stride + h * head_dim;
@@ -669,6 +761,16 @@ int prefill_attention_f32(const float *q, const float *k, const float *v, const 
                         counts[r] = i + 1;
                         n = i + 1 > n ? i + 1 : n;
                     }
+#if defined(__AVX512F__)
+                    if (wide) {
+                        const int64_t m = n;
+                        switch (rows) {
+                        ATTN_BLOCK_512(6) ATTN_BLOCK_512(5) ATTN_BLOCK_512(4) ATTN_BLOCK_512(3)
+                        ATTN_BLOCK_512(2) default: ATTN_BLOCK_512(1)
+                        }
+                        continue;
+                    }
+#endif
                     if (rows == 3)
                         attention_block(3, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs);
                     else if (rows == 2)
