@@ -201,12 +201,18 @@ def _load():
         log.info("the CPU engine runs torch's paths: DISTSERVE_NATIVE_KERNELS=0")
         return None
     try:
-        library = ctypes.CDLL(str(build()))
+        return load_library(build())
     except (RuntimeError, OSError) as e:
         log.warning("the CPU engine runs torch's paths for attention, RMSNorm, SwiGLU, "
                     "rotary and the decode linears, slower: its C kernels are not available "
                     "(%s)", e)
         return None
+
+
+def load_library(path: Path):
+    """The built library at path, its functions' argument types set (OSError when it
+    cannot be loaded); `build(flags)` then this loads another CPU's build beside this one's."""
+    library = ctypes.CDLL(str(path))
     pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     library.paged_decode_f32.argtypes = [pointer] * 5 + [size] * 6 + [real, pointer, ctypes.c_int]
     library.paged_decode_f32.restype = ctypes.c_int

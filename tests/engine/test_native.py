@@ -36,6 +36,18 @@ def spy_on_kernel(monkeypatch, name: str):
     return kernel, calls
 
 
+@pytest.fixture(params=["this CPU's build", "the AVX2 build"])
+def kernel_build(request, monkeypatch):
+    """The kernels built for this CPU, and, where that build is AVX-512's, the AVX2 build
+    too (the one a CPU without AVX-512 runs): each test taking it checks both."""
+    if request.param == "the AVX2 build":
+        if native.cpu_flags() != ["-march=x86-64-v4"]:
+            pytest.skip("this CPU's build is not AVX-512's: the other case runs its kernels")
+        library = native.load_library(native.build(["-march=x86-64-v3"]))
+        monkeypatch.setattr(native, "_library", lambda: library)
+    return request.param
+
+
 @needs_compiler
 def test_the_c_kernel_is_built_once_into_the_kernel_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTSERVE_KERNEL_DIR", str(tmp_path))
@@ -135,7 +147,7 @@ def _loaded_linear(out_features: int, in_features: int, bias: bool, seed: int):
 @pytest.mark.parametrize(("out_features", "in_features", "bias"),
                          [(960, 576, False), (50, 7, True), (16, 33, False), (17, 64, True)])
 def test_packed_linear_in_c_matches_torch_at_decode_row_counts(out_features, in_features, bias,
-                                                               monkeypatch):
+                                                               monkeypatch, kernel_build):
     if native.pack_linear() is None:
         pytest.skip("this CPU lacks AVX2 and FMA: the linears keep torch's layouts")
     kernel, calls = native.packed_linear(), []
@@ -188,7 +200,8 @@ def test_without_the_packed_kernel_a_linear_keeps_its_in_out_copy(monkeypatch):
     ([7, 13, 2], 4, 2, 24),  # a group of 2, head_dim not a multiple of 32
     ([100, 3], 6, 1, 40),
 ])
-def test_prefill_attention_in_c_matches_sdpa(lens, num_heads, num_kv_heads, head_dim, monkeypatch):
+def test_prefill_attention_in_c_matches_sdpa(lens, num_heads, num_kv_heads, head_dim, monkeypatch,
+                                             kernel_build):
     torch.manual_seed(len(lens) + head_dim)
     num_tokens = sum(lens)
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim) * 2
