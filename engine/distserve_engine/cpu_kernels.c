@@ -131,6 +131,28 @@ static inline __m256 exp8_nonpositive(__m256 x) {
     return _mm256_and_ps(e, _mm256_cmp_ps(x, _mm256_set1_ps(-60.f), _CMP_GE_OQ));
 }
 
+#if defined(__AVX512F__)
+/* exp8_nonpositive on 16 lanes (the same polynomial and steps; contraction may round
+ * a lane's last bit otherwise). */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                   _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-60.f), _CMP_GE_OQ), e);
+}
+#endif
+
 /* row[t] = e^(row[t] - max(row)) over row[0..len), in place (0 below e^-60, as
  * attend_one), 8 lanes at a time; returns their sum: softmax's weights before dividing. */
 static inline float softmax_weights8(float *row, int64_t len) {
@@ -638,6 +660,30 @@ static inline __attribute__((always_inline)) void attention_block(
  * so each key and value vector is loaded once for twice the rows. */
 #define ATTN_ROWS_512 6
 
+/* softmax_weights8 in 16 lanes. */
+static inline float softmax_weights16(float *row, int64_t len) {
+    float top = -FLT_MAX, total = 0.f;
+    __m512 max16 = _mm512_set1_ps(-FLT_MAX);
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) max16 = _mm512_max_ps(_mm512_loadu_ps(row + t), max16);
+    for (; t < len; ++t) top = row[t] > top ? row[t] : top;
+    const float lanes_top = _mm512_reduce_max_ps(max16);
+    top = lanes_top > top ? lanes_top : top;
+    const __m512 top16 = _mm512_set1_ps(top);
+    __m512 total16 = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= len; t += 16) {
+        const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + t), top16));
+        _mm512_storeu_ps(row + t, e);
+        total16 = _mm512_add_ps(total16, e);
+    }
+    for (; t < len; ++t) {
+        const float shifted = row[t] - top;
+        row[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
+        total += row[t];
+    }
+    return total + _mm512_reduce_add_ps(total16);
+}
+
 static inline __attribute__((always_inline)) void attention_scores_512(
     const int rows, const int tiles, const float *const *q, const float *kt, int64_t tile0,
     int64_t head_dim, float scale, float *const *scores) {
@@ -691,7 +737,7 @@ static inline __attribute__((always_inline)) void attention_block_512(
     for (; tile < tiles; ++tile) attention_scores_512(rows, 1, q, kt, tile, head_dim, scale, scores);
     float inverse[ATTN_ROWS_512];
     for (int r = 0; r < rows; ++r) {
-        inverse[r] = 1.f / softmax_weights8(scores[r], counts[r]);
+        inverse[r] = 1.f / softmax_weights16(scores[r], counts[r]);
         for (int64_t j = counts[r]; j < n; ++j) scores[r][j] = 0.f;
     }
     int64_t c = 0;

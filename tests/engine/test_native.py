@@ -91,7 +91,7 @@ def test_rms_norm_in_c_matches_torch_on_rows_and_strided_views(rows, monkeypatch
 @needs_compiler
 @pytest.mark.parametrize("rows", [1, 33])
 @pytest.mark.parametrize("threads", [1, 2])  # one: packed to a contiguous matrix; two: in place
-def test_swiglu_in_c_matches_silu_times_up(rows, threads, monkeypatch):
+def test_swiglu_in_c_matches_silu_times_up(rows, threads, monkeypatch, kernel_build):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     _, calls = spy_on_kernel(monkeypatch, "swiglu")
     torch.manual_seed(rows)
