@@ -31,6 +31,7 @@ import time
 import torch
 from smollm2 import engine_runner, hf_model, random_prompts
 
+from distserve.local.machine import cpu_model
 from distserve_engine import native
 from distserve_engine.models.layers import (
     ColumnParallelLinear,
@@ -152,9 +153,10 @@ def main() -> None:
     plain = torch_paths_runner(args.dtype) if args.torch_paths else None
     linears = layer_linears(runner)
     weight_bytes = runner.model.weight_bytes_read()
-    print(f"# SmolLM2-135M {args.dtype} CPU, torch threads={args.threads}, prompt_len="
-          f"{args.prompt_len}, decode steps={args.steps}, weights {weight_bytes / 2**20:.0f} MiB, "
-          f"{load()}")
+    kernels = (" ".join(native.cpu_flags()) or "generic") if native.packed_linear() else "none"
+    print(f"# SmolLM2-135M {args.dtype} CPU ({cpu_model()}, C kernels: {kernels}), torch "
+          f"threads={args.threads}, prompt_len={args.prompt_len}, decode steps={args.steps}, "
+          f"weights {weight_bytes / 2**20:.0f} MiB, {load()}")
     engine_rates(runner, random_prompts(2, 16, seed=99), 2)  # warm-up
     hf_rates(model, random_prompts(2, 16, seed=99), 2)
     for batch in args.batches:
