@@ -182,6 +182,32 @@ static inline float softmax_weights8(float *row, int64_t len) {
     return total + sum8(total8);
 }
 
+#if defined(__AVX512F__)
+/* softmax_weights8 in 16 lanes. */
+static inline float softmax_weights16(float *row, int64_t len) {
+    float top = -FLT_MAX, total = 0.f;
+    __m512 max16 = _mm512_set1_ps(-FLT_MAX);
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) max16 = _mm512_max_ps(_mm512_loadu_ps(row + t), max16);
+    for (; t < len; ++t) top = row[t] > top ? row[t] : top;
+    const float lanes_top = _mm512_reduce_max_ps(max16);
+    top = lanes_top > top ? lanes_top : top;
+    const __m512 top16 = _mm512_set1_ps(top);
+    __m512 total16 = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= len; t += 16) {
+        const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + t), top16));
+        _mm512_storeu_ps(row + t, e);
+        total16 = _mm512_add_ps(total16, e);
+    }
+    for (; t < len; ++t) {
+        const float shifted = row[t] - top;
+        row[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
+        total += row[t];
+    }
+    return total + _mm512_reduce_add_ps(total16);
+}
+#endif
+
 /* attend_one in 8-float vectors, for head_dim a multiple of 8. Tokens are the outer
  * loop, so each token's keys (then values) of all KV heads are read in one pass, in the
  * order the cache holds them: front to back through each block. scores (num_heads, len)
@@ -219,6 +245,40 @@ static void attend_one_x8(const float *q, const int64_t *table, int64_t len, con
 #endif
 
 /* Returns 0, or -1 when scratch memory could not be allocated (out is then partial). */
+#if defined(__AVX512F__)
+/* attend_one_x8 in 16-float vectors, for head_dim a multiple of 16 (AVX-512 builds). */
+static void attend_one_x16(const float *q, const int64_t *table, int64_t len, const Cache *c,
+                           float *out, float *scores) {
+    const int64_t group = c->num_heads / c->num_kv_heads, dim = c->head_dim;
+    for (int64_t t = 0; t < len; ++t) {
+        const float *keys = token_row(c->k_cache, table, t, c, 0);
+        for (int64_t h = 0; h < c->num_heads; ++h) {
+            const float *qh = q + h * dim, *k = keys + (h / group) * dim;
+            __m512 dot = _mm512_setzero_ps();
+            for (int64_t d = 0; d < dim; d += 16)
+                dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), _mm512_loadu_ps(k + d), dot);
+            scores[h * len + t] = _mm512_reduce_add_ps(dot) * c->scale;
+        }
+    }
+    for (int64_t h = 0; h < c->num_heads; ++h) {
+        float *row = scores + h * len;
+        const float inverse = 1.f / softmax_weights16(row, len);
+        for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
+    }
+    memset(out, 0, sizeof(float) * (size_t)(c->num_heads * dim));
+    for (int64_t t = 0; t < len; ++t) {
+        const float *values = token_row(c->v_cache, table, t, c, 0);
+        for (int64_t h = 0; h < c->num_heads; ++h) {
+            const float *v = values + (h / group) * dim;
+            const __m512 weight = _mm512_set1_ps(scores[h * len + t]);
+            float *o = out + h * dim;
+            for (int64_t d = 0; d < dim; d += 16)
+                _mm512_storeu_ps(o + d, _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + d), _mm512_loadu_ps(o + d)));
+        }
+    }
+}
+#endif
+
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                      const int64_t *tables, const int64_t *context_lens, int64_t batch,
                      int64_t max_blocks, int64_t block_size, int64_t num_heads,
@@ -237,6 +297,13 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                 failed = 1;
                 continue;
             }
+#if defined(__AVX512F__)
+            if (head_dim % 16 == 0) {
+                attend_one_x16(q + b * num_heads * head_dim, tables + b * max_blocks,
+                               context_lens[b], &c, out + b * num_heads * head_dim, scores);
+                continue;
+            }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
             if (head_dim % 8 == 0) {
                 attend_one_x8(q + b * num_heads * head_dim, tables + b * max_blocks,
@@ -660,29 +727,6 @@ static inline __attribute__((always_inline)) void attention_block(
  * so each key and value vector is loaded once for twice the rows. */
 #define ATTN_ROWS_512 6
 
-/* softmax_weights8 in 16 lanes. */
-static inline float softmax_weights16(float *row, int64_t len) {
-    float top = -FLT_MAX, total = 0.f;
-    __m512 max16 = _mm512_set1_ps(-FLT_MAX);
-    int64_t t = 0;
-    for (; t + 16 <= len; t += 16) max16 = _mm512_max_ps(_mm512_loadu_ps(row + t), max16);
-    for (; t < len; ++t) top = row[t] > top ? row[t] : top;
-    const float lanes_top = _mm512_reduce_max_ps(max16);
-    top = lanes_top > top ? lanes_top : top;
-    const __m512 top16 = _mm512_set1_ps(top);
-    __m512 total16 = _mm512_setzero_ps();
-    for (t = 0; t + 16 <= len; t += 16) {
-        const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + t), top16));
-        _mm512_storeu_ps(row + t, e);
-        total16 = _mm512_add_ps(total16, e);
-    }
-    for (; t < len; ++t) {
-        const float shifted = row[t] - top;
-        row[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
-        total += row[t];
-    }
-    return total + _mm512_reduce_add_ps(total16);
-}
 
 static inline __attribute__((always_inline)) void attention_scores_512(
     const int rows, const int tiles, const float *const *q, const float *kt, int64_t tile0,

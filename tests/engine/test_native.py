@@ -220,6 +220,37 @@ def test_prefill_attention_in_c_matches_sdpa(lens, num_heads, num_kv_heads, head
 
 
 @needs_compiler
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [
+    (9, 3, 64),  # SmolLM2's heads: 16-float vectors where the build is AVX-512's
+    (4, 2, 24),  # a multiple of 8, not of 16: 8-float vectors on every x86 build
+])
+def test_paged_decode_in_c_matches_attention_over_each_sequences_blocks(
+        num_heads, num_kv_heads, head_dim, kernel_build):
+    torch.manual_seed(head_dim)
+    block_size, num_blocks, lens = 16, 40, [1, 37, 100, 16]
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    max_blocks = -(-max(lens) // block_size)
+    tables = torch.randperm(num_blocks)[: len(lens) * max_blocks].view(len(lens), max_blocks)
+    q = torch.randn(len(lens), num_heads, head_dim)
+    out = torch.empty(len(lens), num_heads, head_dim)
+    scale = head_dim**-0.5
+    assert native.paged_decode()(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.contiguous().data_ptr(),
+        torch.tensor(lens).data_ptr(), len(lens), max_blocks, block_size, num_heads,
+        num_kv_heads, head_dim, scale, out.data_ptr(), 1) == 0
+    group = num_heads // num_kv_heads
+    for b, n in enumerate(lens):
+        rows = torch.tensor([int(tables[b, t // block_size]) * block_size + t % block_size
+                             for t in range(n)])
+        keys = k_cache.view(-1, num_kv_heads, head_dim)[rows].repeat_interleave(group, 1)
+        values = v_cache.view(-1, num_kv_heads, head_dim)[rows].repeat_interleave(group, 1)
+        weights = (torch.einsum("hd,khd->hk", q[b], keys) * scale).softmax(-1)
+        torch.testing.assert_close(out[b], torch.einsum("hk,khd->hd", weights, values),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
 def test_prefill_attention_falls_back_to_sdpa_where_head_dim_is_not_a_multiple_of_8():
     lens, num_heads, head_dim = [6, 3], 2, 12
     q, k, v = (torch.randn(sum(lens), num_heads, head_dim) for _ in range(3))
