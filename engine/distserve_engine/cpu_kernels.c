@@ -244,7 +244,6 @@ static void attend_one_x8(const float *q, const int64_t *table, int64_t len, con
 }
 #endif
 
-/* Returns 0, or -1 when scratch memory could not be allocated (out is then partial). */
 #if defined(__AVX512F__)
 /* attend_one_x8 in 16-float vectors, for head_dim a multiple of 16 (AVX-512 builds). */
 static void attend_one_x16(const float *q, const int64_t *table, int64_t len, const Cache *c,
@@ -279,6 +278,7 @@ static void attend_one_x16(const float *q, const int64_t *table, int64_t len, co
 }
 #endif
 
+/* Returns 0, or -1 when scratch memory could not be allocated (out is then partial). */
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                      const int64_t *tables, const int64_t *context_lens, int64_t batch,
                      int64_t max_blocks, int64_t block_size, int64_t num_heads,
@@ -447,9 +447,9 @@ static inline __attribute__((always_inline)) void block_times_panels_512(
         second[r] = bias1;
     }
     for (int64_t j = 0; j < k; ++j) {
-        const __m512 w0 = _mm512_load_ps(panel + j * PANEL);
-        const __m512 w1 = two ? _mm512_load_ps(next + j * PANEL) : w0;
-        if (ahead != NULL) {
+        const __m512 w0 = _mm512_loadu_ps(panel + j * PANEL);
+        const __m512 w1 = two ? _mm512_loadu_ps(next + j * PANEL) : w0;
+        if (ahead != NULL) {  /* a hint: past the last panel it reads nothing */
             _mm_prefetch((const char *)(ahead + 2 * j * PANEL), _MM_HINT_T0);
             _mm_prefetch((const char *)(ahead + (2 * j + 1) * PANEL), _MM_HINT_T0);
         }
