@@ -105,177 +105,165 @@ static void attend_one(const float *q, const int64_t *table, int64_t len, const 
     }
 }
 
+/* The vector kernels below are written once for a vector of W floats (the macros
+ * DEFINE_*(W)) over these operations, and made for W = 8 (AVX2 and FMA) and, in AVX-512
+ * builds, W = 16. The 8-lane operations are the intrinsics the kernels have always
+ * called, so the AVX2 build computes what it did. */
 #if defined(__AVX2__) && defined(__FMA__)
-static inline float sum8(__m256 v) {
+typedef __m256 vec8;
+static inline vec8 vzero8(void) { return _mm256_setzero_ps(); }
+static inline vec8 vload8(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore8(float *p, vec8 x) { _mm256_storeu_ps(p, x); }
+static inline vec8 vset8(float x) { return _mm256_set1_ps(x); }
+static inline vec8 vbroadcast8(const float *p) { return _mm256_broadcast_ss(p); }
+static inline vec8 vfmadd8(vec8 a, vec8 b, vec8 c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec8 vmul8(vec8 a, vec8 b) { return _mm256_mul_ps(a, b); }
+static inline vec8 vadd8(vec8 a, vec8 b) { return _mm256_add_ps(a, b); }
+static inline vec8 vsub8(vec8 a, vec8 b) { return _mm256_sub_ps(a, b); }
+static inline vec8 vmax8(vec8 a, vec8 b) { return _mm256_max_ps(a, b); }
+
+static inline float vsum8(vec8 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     x = _mm_add_ss(x, _mm_movehdup_ps(x));
     return _mm_cvtss_f32(x);
 }
 
-/* exp_nonpositive on 8 lanes, and 0 where x < -60 (as the scalar loop below). */
-static inline __m256 exp8_nonpositive(__m256 x) {
-    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                                   _mm256_set1_ps(0.5f)));
-    const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
-                                   _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    return _mm256_and_ps(e, _mm256_cmp_ps(x, _mm256_set1_ps(-60.f), _CMP_GE_OQ));
-}
-
-#if defined(__AVX512F__)
-/* exp8_nonpositive on 16 lanes (the same polynomial and steps; contraction may round
- * a lane's last bit otherwise). */
-static inline __m512 exp16_nonpositive(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(
-        _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                                   _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-60.f), _CMP_GE_OQ), e);
-}
-#endif
-
-/* row[t] = e^(row[t] - max(row)) over row[0..len), in place (0 below e^-60, as
- * attend_one), 8 lanes at a time; returns their sum: softmax's weights before dividing. */
-static inline float softmax_weights8(float *row, int64_t len) {
-    float top = -FLT_MAX, total = 0.f;
-    /* the max 8 lanes at a time (a scalar max is one dependent chain through the row);
-     * max_ps(x, m) is x > m ? x : m, as the scalar tail, so the same value comes out */
-    __m256 max8 = _mm256_set1_ps(-FLT_MAX);
-    int64_t t = 0;
-    for (; t + 8 <= len; t += 8) max8 = _mm256_max_ps(_mm256_loadu_ps(row + t), max8);
-    for (; t < len; ++t) top = row[t] > top ? row[t] : top;
-    float lanes[8];
-    _mm256_storeu_ps(lanes, max8);
+static inline float vmax_lanes8(vec8 v) {
+    float lanes[8], top = -FLT_MAX;
+    _mm256_storeu_ps(lanes, v);
     for (int l = 0; l < 8; ++l) top = lanes[l] > top ? lanes[l] : top;
-    const __m256 top8 = _mm256_set1_ps(top);
-    __m256 total8 = _mm256_setzero_ps();
-    t = 0;
-    for (; t + 8 <= len; t += 8) {
-        const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + t), top8));
-        _mm256_storeu_ps(row + t, e);
-        total8 = _mm256_add_ps(total8, e);
-    }
-    for (; t < len; ++t) {
-        const float shifted = row[t] - top;
-        row[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
-        total += row[t];
-    }
-    return total + sum8(total8);
+    return top;
 }
 
-#if defined(__AVX512F__)
-/* softmax_weights8 in 16 lanes. */
-static inline float softmax_weights16(float *row, int64_t len) {
-    float top = -FLT_MAX, total = 0.f;
-    __m512 max16 = _mm512_set1_ps(-FLT_MAX);
-    int64_t t = 0;
-    for (; t + 16 <= len; t += 16) max16 = _mm512_max_ps(_mm512_loadu_ps(row + t), max16);
-    for (; t < len; ++t) top = row[t] > top ? row[t] : top;
-    const float lanes_top = _mm512_reduce_max_ps(max16);
-    top = lanes_top > top ? lanes_top : top;
-    const __m512 top16 = _mm512_set1_ps(top);
-    __m512 total16 = _mm512_setzero_ps();
-    for (t = 0; t + 16 <= len; t += 16) {
-        const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + t), top16));
-        _mm512_storeu_ps(row + t, e);
-        total16 = _mm512_add_ps(total16, e);
-    }
-    for (; t < len; ++t) {
-        const float shifted = row[t] - top;
-        row[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
-        total += row[t];
-    }
-    return total + _mm512_reduce_add_ps(total16);
+static inline vec8 vfloor8(vec8 x) { return _mm256_floor_ps(x); }
+/* 2^n for whole n in [-126, 127], built in the exponent bits */
+static inline vec8 vpow2_8(vec8 n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
-#endif
-
-/* attend_one in 8-float vectors, for head_dim a multiple of 8. Tokens are the outer
- * loop, so each token's keys (then values) of all KV heads are read in one pass, in the
- * order the cache holds them: front to back through each block. scores (num_heads, len)
- * is scratch; out accumulates in place. */
-static void attend_one_x8(const float *q, const int64_t *table, int64_t len, const Cache *c,
-                          float *out, float *scores) {
-    const int64_t group = c->num_heads / c->num_kv_heads, dim = c->head_dim;
-    for (int64_t t = 0; t < len; ++t) {
-        const float *keys = token_row(c->k_cache, table, t, c, 0);
-        for (int64_t h = 0; h < c->num_heads; ++h) {
-            const float *qh = q + h * dim, *k = keys + (h / group) * dim;
-            __m256 dot = _mm256_setzero_ps();
-            for (int64_t d = 0; d < dim; d += 8)
-                dot = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(k + d), dot);
-            scores[h * len + t] = sum8(dot) * c->scale;
-        }
-    }
-    for (int64_t h = 0; h < c->num_heads; ++h) {
-        float *row = scores + h * len;
-        const float inverse = 1.f / softmax_weights8(row, len);
-        for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
-    }
-    memset(out, 0, sizeof(float) * (size_t)(c->num_heads * dim));
-    for (int64_t t = 0; t < len; ++t) {
-        const float *values = token_row(c->v_cache, table, t, c, 0);
-        for (int64_t h = 0; h < c->num_heads; ++h) {
-            const float *v = values + (h / group) * dim;
-            const __m256 weight = _mm256_set1_ps(scores[h * len + t]);
-            float *o = out + h * dim;
-            for (int64_t d = 0; d < dim; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
-        }
-    }
+/* e where x >= limit, 0 elsewhere */
+static inline vec8 vkeep_from8(vec8 x, float limit, vec8 e) {
+    return _mm256_and_ps(e, _mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_GE_OQ));
 }
 #endif
 
 #if defined(__AVX512F__)
-/* attend_one_x8 in 16-float vectors, for head_dim a multiple of 16 (AVX-512 builds). */
-static void attend_one_x16(const float *q, const int64_t *table, int64_t len, const Cache *c,
-                           float *out, float *scores) {
-    const int64_t group = c->num_heads / c->num_kv_heads, dim = c->head_dim;
-    for (int64_t t = 0; t < len; ++t) {
-        const float *keys = token_row(c->k_cache, table, t, c, 0);
-        for (int64_t h = 0; h < c->num_heads; ++h) {
-            const float *qh = q + h * dim, *k = keys + (h / group) * dim;
-            __m512 dot = _mm512_setzero_ps();
-            for (int64_t d = 0; d < dim; d += 16)
-                dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), _mm512_loadu_ps(k + d), dot);
-            scores[h * len + t] = _mm512_reduce_add_ps(dot) * c->scale;
-        }
-    }
-    for (int64_t h = 0; h < c->num_heads; ++h) {
-        float *row = scores + h * len;
-        const float inverse = 1.f / softmax_weights16(row, len);
-        for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
-    }
-    memset(out, 0, sizeof(float) * (size_t)(c->num_heads * dim));
-    for (int64_t t = 0; t < len; ++t) {
-        const float *values = token_row(c->v_cache, table, t, c, 0);
-        for (int64_t h = 0; h < c->num_heads; ++h) {
-            const float *v = values + (h / group) * dim;
-            const __m512 weight = _mm512_set1_ps(scores[h * len + t]);
-            float *o = out + h * dim;
-            for (int64_t d = 0; d < dim; d += 16)
-                _mm512_storeu_ps(o + d, _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + d), _mm512_loadu_ps(o + d)));
-        }
-    }
+typedef __m512 vec16;
+static inline vec16 vzero16(void) { return _mm512_setzero_ps(); }
+static inline vec16 vload16(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore16(float *p, vec16 x) { _mm512_storeu_ps(p, x); }
+static inline vec16 vset16(float x) { return _mm512_set1_ps(x); }
+static inline vec16 vbroadcast16(const float *p) { return _mm512_set1_ps(*p); }
+static inline vec16 vfmadd16(vec16 a, vec16 b, vec16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec16 vmul16(vec16 a, vec16 b) { return _mm512_mul_ps(a, b); }
+static inline vec16 vadd16(vec16 a, vec16 b) { return _mm512_add_ps(a, b); }
+static inline vec16 vsub16(vec16 a, vec16 b) { return _mm512_sub_ps(a, b); }
+static inline vec16 vmax16(vec16 a, vec16 b) { return _mm512_max_ps(a, b); }
+static inline float vsum16(vec16 v) { return _mm512_reduce_add_ps(v); }
+static inline float vmax_lanes16(vec16 v) { return _mm512_reduce_max_ps(v); }
+
+static inline vec16 vfloor16(vec16 x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
 }
+static inline vec16 vpow2_16(vec16 n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+static inline vec16 vkeep_from16(vec16 x, float limit, vec16 e) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_GE_OQ), e);
+}
+#endif
+
+/* exp##W##_nonpositive: exp_nonpositive on W lanes, and 0 where x < -60 (as the scalar
+ * loop below). */
+#define DEFINE_EXP_NONPOSITIVE(W)                                                            \
+    static inline vec##W exp##W##_nonpositive(vec##W x) {                                    \
+        const vec##W n = vfloor##W(vadd##W(vmul##W(x, vset##W(1.44269504088896341f)), vset##W(0.5f))); \
+        const vec##W r = vadd##W(vsub##W(x, vmul##W(n, vset##W(0.693359375f))),               \
+                                 vmul##W(n, vset##W(2.12194440e-4f)));                         \
+        vec##W p = vset##W(1.9875691500e-4f);                                                \
+        p = vfmadd##W(p, r, vset##W(1.3981999507e-3f));                                      \
+        p = vfmadd##W(p, r, vset##W(8.3334519073e-3f));                                      \
+        p = vfmadd##W(p, r, vset##W(4.1665795894e-2f));                                      \
+        p = vfmadd##W(p, r, vset##W(1.6666665459e-1f));                                      \
+        p = vfmadd##W(p, r, vset##W(5.0000001201e-1f));                                      \
+        p = vadd##W(vfmadd##W(vmul##W(p, r), r, r), vset##W(1.0f));                          \
+        return vkeep_from##W(x, -60.f, vmul##W(p, vpow2_##W(n)));                            \
+    }
+
+/* softmax_weights##W: row[t] = e^(row[t] - max(row)) over row[0..len), in place (0 below
+ * e^-60, as attend_one), W lanes at a time; returns their sum: softmax's weights before
+ * dividing. The max too goes W lanes at a time (a scalar max is one dependent chain
+ * through the row); vmax(x, m) is x > m ? x : m, as the scalar tail, so the same value
+ * comes out. */
+#define DEFINE_SOFTMAX_WEIGHTS(W)                                                            \
+    static inline float softmax_weights##W(float *row, int64_t len) {                        \
+        float top = -FLT_MAX, total = 0.f;                                                   \
+        vec##W max_w = vset##W(-FLT_MAX);                                                    \
+        int64_t t = 0;                                                                       \
+        for (; t + W <= len; t += W) max_w = vmax##W(vload##W(row + t), max_w);              \
+        for (; t < len; ++t) top = row[t] > top ? row[t] : top;                              \
+        const float lanes_top = vmax_lanes##W(max_w);                                        \
+        top = lanes_top > top ? lanes_top : top;                                             \
+        const vec##W top_w = vset##W(top);                                                   \
+        vec##W total_w = vzero##W();                                                         \
+        for (t = 0; t + W <= len; t += W) {                                                  \
+            const vec##W e = exp##W##_nonpositive(vsub##W(vload##W(row + t), top_w));        \
+            vstore##W(row + t, e);                                                           \
+            total_w = vadd##W(total_w, e);                                                   \
+        }                                                                                    \
+        for (; t < len; ++t) {                                                               \
+            const float shifted = row[t] - top;                                              \
+            row[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);                       \
+            total += row[t];                                                                 \
+        }                                                                                    \
+        return total + vsum##W(total_w);                                                     \
+    }
+
+/* attend_one_x##W: attend_one in W-float vectors, for head_dim a multiple of W. Tokens
+ * are the outer loop, so each token's keys (then values) of all KV heads are read in one
+ * pass, in the order the cache holds them: front to back through each block. scores
+ * (num_heads, len) is scratch; out accumulates in place. */
+#define DEFINE_ATTEND_ONE(W)                                                                 \
+    static void attend_one_x##W(const float *q, const int64_t *table, int64_t len,           \
+                                const Cache *c, float *out, float *scores) {                 \
+        const int64_t group = c->num_heads / c->num_kv_heads, dim = c->head_dim;             \
+        for (int64_t t = 0; t < len; ++t) {                                                  \
+            const float *keys = token_row(c->k_cache, table, t, c, 0);                       \
+            for (int64_t h = 0; h < c->num_heads; ++h) {                                     \
+                const float *qh = q + h * dim, *k = keys + (h / group) * dim;                \
+                vec##W dot = vzero##W();                                                     \
+                for (int64_t d = 0; d < dim; d += W)                                         \
+                    dot = vfmadd##W(vload##W(qh + d), vload##W(k + d), dot);                 \
+                scores[h * len + t] = vsum##W(dot) * c->scale;                               \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t h = 0; h < c->num_heads; ++h) {                                         \
+            float *row = scores + h * len;                                                   \
+            const float inverse = 1.f / softmax_weights##W(row, len);                        \
+            for (int64_t t = 0; t < len; ++t) row[t] *= inverse;                             \
+        }                                                                                    \
+        memset(out, 0, sizeof(float) * (size_t)(c->num_heads * dim));                        \
+        for (int64_t t = 0; t < len; ++t) {                                                  \
+            const float *values = token_row(c->v_cache, table, t, c, 0);                     \
+            for (int64_t h = 0; h < c->num_heads; ++h) {                                     \
+                const float *v = values + (h / group) * dim;                                 \
+                const vec##W weight = vset##W(scores[h * len + t]);                          \
+                float *o = out + h * dim;                                                    \
+                for (int64_t d = 0; d < dim; d += W)                                         \
+                    vstore##W(o + d, vfmadd##W(weight, vload##W(v + d), vload##W(o + d)));   \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+#if defined(__AVX2__) && defined(__FMA__)
+DEFINE_EXP_NONPOSITIVE(8)
+DEFINE_SOFTMAX_WEIGHTS(8)
+DEFINE_ATTEND_ONE(8)
+#endif
+#if defined(__AVX512F__)
+DEFINE_EXP_NONPOSITIVE(16)
+DEFINE_SOFTMAX_WEIGHTS(16)
+DEFINE_ATTEND_ONE(16)
 #endif
 
 /* Returns 0, or -1 when scratch memory could not be allocated (out is then partial). */
@@ -654,151 +642,99 @@ void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64
 #define ATTN_ROWS 3
 #define ATTN_TILES 4
 
+/* For W-float vectors (keys packed in tiles of W) and blocks of up to ROWS rows:
+ * attention_scores##W: scores[r][tile0 * W ..] = scale * q_r . keys, for `tiles` tiles;
+ * attention_values##W: out_r[c .. c + W * vectors) = sum over keys j < n of
+ *   p_r[j] * v_j[c ..] * inverse_r;
+ * attention_block##W: one block of `rows` rows whose queries see up to n keys.
+ * rows, tiles and vectors are constants once inlined. */
+#define DEFINE_PREFILL_ATTENTION(W, ROWS)                                                    \
+    static inline __attribute__((always_inline)) void attention_scores##W(                   \
+        const int rows, const int tiles, const float *const *q, const float *kt,             \
+        int64_t tile0, int64_t head_dim, float scale, float *const *scores) {                \
+        vec##W acc[ROWS][ATTN_TILES];                                                        \
+        for (int r = 0; r < rows; ++r)                                                       \
+            for (int t = 0; t < tiles; ++t) acc[r][t] = vzero##W();                          \
+        const float *base = kt + tile0 * head_dim * W;                                       \
+        for (int64_t d = 0; d < head_dim; ++d) {                                             \
+            vec##W keys[ATTN_TILES];                                                         \
+            for (int t = 0; t < tiles; ++t) keys[t] = vload##W(base + (t * head_dim + d) * W); \
+            for (int r = 0; r < rows; ++r) {                                                 \
+                const vec##W x = vbroadcast##W(q[r] + d);                                    \
+                for (int t = 0; t < tiles; ++t) acc[r][t] = vfmadd##W(x, keys[t], acc[r][t]); \
+            }                                                                                \
+        }                                                                                    \
+        const vec##W s = vset##W(scale);                                                     \
+        for (int r = 0; r < rows; ++r)                                                       \
+            for (int t = 0; t < tiles; ++t)                                                  \
+                vstore##W(scores[r] + (tile0 + t) * W, vmul##W(acc[r][t], s));               \
+    }                                                                                        \
+                                                                                             \
+    static inline __attribute__((always_inline)) void attention_values##W(                   \
+        const int rows, const int vectors, const float *const *p, const float *v,            \
+        int64_t kv_stride, int64_t n, const float *inverse, float *const *out, int64_t c) {  \
+        vec##W acc[ROWS][ATTN_TILES];                                                        \
+        for (int r = 0; r < rows; ++r)                                                       \
+            for (int x = 0; x < vectors; ++x) acc[r][x] = vzero##W();                        \
+        for (int64_t j = 0; j < n; ++j) {                                                    \
+            vec##W values[ATTN_TILES];                                                       \
+            for (int x = 0; x < vectors; ++x) values[x] = vload##W(v + j * kv_stride + c + W * x); \
+            for (int r = 0; r < rows; ++r) {                                                 \
+                const vec##W w = vbroadcast##W(p[r] + j);                                    \
+                for (int x = 0; x < vectors; ++x) acc[r][x] = vfmadd##W(w, values[x], acc[r][x]); \
+            }                                                                                \
+        }                                                                                    \
+        for (int r = 0; r < rows; ++r) {                                                     \
+            const vec##W inv = vset##W(inverse[r]);                                          \
+            for (int x = 0; x < vectors; ++x)                                                \
+                vstore##W(out[r] + c + W * x, vmul##W(acc[r][x], inv));                      \
+        }                                                                                    \
+    }                                                                                        \
+                                                                                             \
+    static inline __attribute__((always_inline)) void attention_block##W(                    \
+        const int rows, const float *const *q, const int64_t *counts, const float *kt,       \
+        const float *v, int64_t kv_stride, int64_t n, int64_t head_dim, float scale,         \
+        float *const *scores, float *const *out) {                                           \
+        const int64_t tiles = (n + W - 1) / W;                                               \
+        int64_t tile = 0;                                                                    \
+        for (; tile + ATTN_TILES <= tiles; tile += ATTN_TILES)                               \
+            attention_scores##W(rows, ATTN_TILES, q, kt, tile, head_dim, scale, scores);     \
+        for (; tile < tiles; ++tile)                                                         \
+            attention_scores##W(rows, 1, q, kt, tile, head_dim, scale, scores);              \
+        float inverse[ROWS];                                                                 \
+        for (int r = 0; r < rows; ++r) { /* softmax over the row's own keys; 0 past them */  \
+            inverse[r] = 1.f / softmax_weights##W(scores[r], counts[r]);                     \
+            for (int64_t j = counts[r]; j < n; ++j) scores[r][j] = 0.f;                      \
+        }                                                                                    \
+        int64_t c = 0;                                                                       \
+        for (; c + W * ATTN_TILES <= head_dim; c += W * ATTN_TILES)                          \
+            attention_values##W(rows, ATTN_TILES, (const float *const *)scores, v, kv_stride, \
+                                n, inverse, out, c);                                         \
+        for (; c < head_dim; c += W)                                                         \
+            attention_values##W(rows, 1, (const float *const *)scores, v, kv_stride, n,      \
+                                inverse, out, c);                                            \
+    }
+
 #if defined(__AVX2__) && defined(__FMA__)
-/* scores[r][tile0 * 8 ..] = scale * q_r . keys, for `tiles` tiles (a constant once inlined). */
-static inline __attribute__((always_inline)) void attention_scores(
-    const int rows, const int tiles, const float *const *q, const float *kt, int64_t tile0,
-    int64_t head_dim, float scale, float *const *scores) {
-    __m256 acc[ATTN_ROWS][ATTN_TILES];
-    for (int r = 0; r < rows; ++r)
-        for (int t = 0; t < tiles; ++t) acc[r][t] = _mm256_setzero_ps();
-    const float *base = kt + tile0 * head_dim * 8;
-    for (int64_t d = 0; d < head_dim; ++d) {
-        __m256 keys[ATTN_TILES];
-        for (int t = 0; t < tiles; ++t) keys[t] = _mm256_loadu_ps(base + (t * head_dim + d) * 8);
-        for (int r = 0; r < rows; ++r) {
-            const __m256 x = _mm256_broadcast_ss(q[r] + d);
-            for (int t = 0; t < tiles; ++t) acc[r][t] = _mm256_fmadd_ps(x, keys[t], acc[r][t]);
-        }
-    }
-    const __m256 s = _mm256_set1_ps(scale);
-    for (int r = 0; r < rows; ++r)
-        for (int t = 0; t < tiles; ++t)
-            _mm256_storeu_ps(scores[r] + (tile0 + t) * 8, _mm256_mul_ps(acc[r][t], s));
-}
-
-/* out_r[c .. c + 8 * vectors) = sum over keys j < n of p_r[j] * v_j[c ..] * inverse_r. */
-static inline __attribute__((always_inline)) void attention_values(
-    const int rows, const int vectors, const float *const *p, const float *v, int64_t kv_stride,
-    int64_t n, const float *inverse, float *const *out, int64_t c) {
-    __m256 acc[ATTN_ROWS][ATTN_TILES];
-    for (int r = 0; r < rows; ++r)
-        for (int x = 0; x < vectors; ++x) acc[r][x] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-        __m256 values[ATTN_TILES];
-        for (int x = 0; x < vectors; ++x) values[x] = _mm256_loadu_ps(v + j * kv_stride + c + 8 * x);
-        for (int r = 0; r < rows; ++r) {
-            const __m256 w = _mm256_broadcast_ss(p[r] + j);
-            for (int x = 0; x < vectors; ++x) acc[r][x] = _mm256_fmadd_ps(w, values[x], acc[r][x]);
-        }
-    }
-    for (int r = 0; r < rows; ++r) {
-        const __m256 inv = _mm256_set1_ps(inverse[r]);
-        for (int x = 0; x < vectors; ++x)
-            _mm256_storeu_ps(out[r] + c + 8 * x, _mm256_mul_ps(acc[r][x], inv));
-    }
-}
-
-/* One block of `rows` rows (a constant once inlined) whose queries see up to n keys. */
-static inline __attribute__((always_inline)) void attention_block(
-    const int rows, const float *const *q, const int64_t *counts, const float *kt,
-    const float *v, int64_t kv_stride, int64_t n, int64_t head_dim, float scale,
-    float *const *scores, float *const *out) {
-    const int64_t tiles = (n + 7) / 8;
-    int64_t tile = 0;
-    for (; tile + ATTN_TILES <= tiles; tile += ATTN_TILES)
-        attention_scores(rows, ATTN_TILES, q, kt, tile, head_dim, scale, scores);
-    for (; tile < tiles; ++tile) attention_scores(rows, 1, q, kt, tile, head_dim, scale, scores);
-    float inverse[ATTN_ROWS];
-    for (int r = 0; r < rows; ++r) {  /* softmax over the row's own keys; 0 past them */
-        inverse[r] = 1.f / softmax_weights8(scores[r], counts[r]);
-        for (int64_t j = counts[r]; j < n; ++j) scores[r][j] = 0.f;
-    }
-    int64_t c = 0;
-    for (; c + 8 * ATTN_TILES <= head_dim; c += 8 * ATTN_TILES)
-        attention_values(rows, ATTN_TILES, (const float *const *)scores, v, kv_stride, n, inverse, out, c);
-    for (; c < head_dim; c += 8)
-        attention_values(rows, 1, (const float *const *)scores, v, kv_stride, n, inverse, out, c);
-}
-
+DEFINE_PREFILL_ATTENTION(8, ATTN_ROWS)
+#endif
 #if defined(__AVX512F__)
-/* The same in 16-float vectors (AVX-512, head_dim a multiple of 16): keys packed in tiles
- * of 16, blocks of up to ATTN_ROWS_512 rows (two queries' grouped heads at SmolLM2's 3),
- * so each key and value vector is loaded once for twice the rows. */
-#define ATTN_ROWS_512 6
-
-
-static inline __attribute__((always_inline)) void attention_scores_512(
-    const int rows, const int tiles, const float *const *q, const float *kt, int64_t tile0,
-    int64_t head_dim, float scale, float *const *scores) {
-    __m512 acc[ATTN_ROWS_512][ATTN_TILES];
-    for (int r = 0; r < rows; ++r)
-        for (int t = 0; t < tiles; ++t) acc[r][t] = _mm512_setzero_ps();
-    const float *base = kt + tile0 * head_dim * 16;
-    for (int64_t d = 0; d < head_dim; ++d) {
-        __m512 keys[ATTN_TILES];
-        for (int t = 0; t < tiles; ++t) keys[t] = _mm512_loadu_ps(base + (t * head_dim + d) * 16);
-        for (int r = 0; r < rows; ++r) {
-            const __m512 x = _mm512_set1_ps(q[r][d]);
-            for (int t = 0; t < tiles; ++t) acc[r][t] = _mm512_fmadd_ps(x, keys[t], acc[r][t]);
-        }
-    }
-    const __m512 s = _mm512_set1_ps(scale);
-    for (int r = 0; r < rows; ++r)
-        for (int t = 0; t < tiles; ++t)
-            _mm512_storeu_ps(scores[r] + (tile0 + t) * 16, _mm512_mul_ps(acc[r][t], s));
-}
-
-static inline __attribute__((always_inline)) void attention_values_512(
-    const int rows, const int vectors, const float *const *p, const float *v, int64_t kv_stride,
-    int64_t n, const float *inverse, float *const *out, int64_t c) {
-    __m512 acc[ATTN_ROWS_512][ATTN_TILES];
-    for (int r = 0; r < rows; ++r)
-        for (int x = 0; x < vectors; ++x) acc[r][x] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-        __m512 values[ATTN_TILES];
-        for (int x = 0; x < vectors; ++x) values[x] = _mm512_loadu_ps(v + j * kv_stride + c + 16 * x);
-        for (int r = 0; r < rows; ++r) {
-            const __m512 w = _mm512_set1_ps(p[r][j]);
-            for (int x = 0; x < vectors; ++x) acc[r][x] = _mm512_fmadd_ps(w, values[x], acc[r][x]);
-        }
-    }
-    for (int r = 0; r < rows; ++r) {
-        const __m512 inv = _mm512_set1_ps(inverse[r]);
-        for (int x = 0; x < vectors; ++x)
-            _mm512_storeu_ps(out[r] + c + 16 * x, _mm512_mul_ps(acc[r][x], inv));
-    }
-}
-
-static inline __attribute__((always_inline)) void attention_block_512(
-    const int rows, const float *const *q, const int64_t *counts, const float *kt,
-    const float *v, int64_t kv_stride, int64_t n, int64_t head_dim, float scale,
-    float *const *scores, float *const *out) {
-    const int64_t tiles = (n + 15) / 16;
-    int64_t tile = 0;
-    for (; tile + ATTN_TILES <= tiles; tile += ATTN_TILES)
-        attention_scores_512(rows, ATTN_TILES, q, kt, tile, head_dim, scale, scores);
-    for (; tile < tiles; ++tile) attention_scores_512(rows, 1, q, kt, tile, head_dim, scale, scores);
-    float inverse[ATTN_ROWS_512];
-    for (int r = 0; r < rows; ++r) {
-        inverse[r] = 1.f / softmax_weights16(scores[r], counts[r]);
-        for (int64_t j = counts[r]; j < n; ++j) scores[r][j] = 0.f;
-    }
-    int64_t c = 0;
-    for (; c + 16 * ATTN_TILES <= head_dim; c += 16 * ATTN_TILES)
-        attention_values_512(rows, ATTN_TILES, (const float *const *)scores, v, kv_stride, n, inverse, out, c);
-    for (; c < head_dim; c += 16)
-        attention_values_512(rows, 1, (const float *const *)scores, v, kv_stride, n, inverse, out, c);
-}
-
-#define ATTN_BLOCK_512(n)                                                                    \
-    case n: attention_block_512(n, qs, counts, kt, values, kv_stride, m, head_dim, scale, scores, outs); break;
+/* In AVX-512 builds (head_dim a multiple of 16), 16-float vectors: keys packed in tiles
+ * of 16, blocks of up to ATTN_ROWS_WIDE rows (two queries' grouped heads at SmolLM2's
+ * 3), so each key and value vector is loaded once for twice the rows. */
+#define ATTN_ROWS_WIDE 6
 #define KEY_TILE_WIDE 16
+DEFINE_PREFILL_ATTENTION(16, ATTN_ROWS_WIDE)
+#define ATTN_BLOCK_16(ROWS)                                                                  \
+    case ROWS:                                                                               \
+        attention_block16(ROWS, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs); \
+        break;
 #else
-#define ATTN_ROWS_512 ATTN_ROWS
+#define ATTN_ROWS_WIDE ATTN_ROWS
 #define KEY_TILE_WIDE 8
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
 int prefill_attention_f32(const float *q, const float *k, const float *v, const int64_t *lens,
                           int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t q_stride, int64_t kv_stride, float scale,
@@ -810,7 +746,7 @@ int prefill_attention_f32(const float *q, const float *k, const float *v, const 
     const int wide = 0;
 #endif
     /* keys per packed tile, and rows per block */
-    const int64_t width = wide ? KEY_TILE_WIDE : 8, most_rows = wide ? ATTN_ROWS_512 : ATTN_ROWS;
+    const int64_t width = wide ? KEY_TILE_WIDE : 8, most_rows = wide ? ATTN_ROWS_WIDE : ATTN_ROWS;
     const int64_t group = num_heads / num_kv_heads;
     int64_t longest = 0, *firsts = malloc(sizeof(int64_t) * (batch > 0 ? batch : 1));
     if (firsts == NULL) return -1;
@@ -840,9 +776,9 @@ int prefill_attention_f32(const float *q, const float *k, const float *v, const 
                 /* the rows (query i, head h of the group) in order, most_rows at a time */
                 for (int64_t row = 0; row < len * group; row += most_rows) {
                     const int rows = (int)(len * group - row < most_rows ? len * group - row : most_rows);
-                    const float *qs[ATTN_ROWS_512];
-                    float *scores[ATTN_ROWS_512], *outs[ATTN_ROWS_512];
-                    int64_t counts[ATTN_ROWS_512], n = 0;
+                    const float *qs[ATTN_ROWS_WIDE];
+                    float *scores[ATTN_ROWS_WIDE], *outs[ATTN_ROWS_WIDE];
+                    int64_t counts[ATTN_ROWS_WIDE], n = 0;
                     for (int r = 0; r < rows; ++r) {
                         const int64_t i = (row + r) / group, h = g * group + (row + r) % group;
                         qs[r] = q + (first + i) * q_stride + h * head_dim;
@@ -853,20 +789,19 @@ int prefill_attention_f32(const float *q, const float *k, const float *v, const 
                     }
 #if defined(__AVX512F__)
                     if (wide) {
-                        const int64_t m = n;
                         switch (rows) {
-                        ATTN_BLOCK_512(6) ATTN_BLOCK_512(5) ATTN_BLOCK_512(4) ATTN_BLOCK_512(3)
-                        ATTN_BLOCK_512(2) default: ATTN_BLOCK_512(1)
+                        ATTN_BLOCK_16(6) ATTN_BLOCK_16(5) ATTN_BLOCK_16(4) ATTN_BLOCK_16(3)
+                        ATTN_BLOCK_16(2) default: ATTN_BLOCK_16(1)
                         }
                         continue;
                     }
 #endif
                     if (rows == 3)
-                        attention_block(3, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs);
+                        attention_block8(3, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs);
                     else if (rows == 2)
-                        attention_block(2, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs);
+                        attention_block8(2, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs);
                     else
-                        attention_block(1, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs);
+                        attention_block8(1, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs);
                 }
             }
             free(kt);

@@ -84,14 +84,21 @@ def kernel_dir() -> Path:
     return Path(os.environ.get("DISTSERVE_KERNEL_DIR") or default)
 
 
+# x86-64 levels the kernels are built for, best first (torch's capability -> -march)
+X86_LEVELS = {"AVX512": ["-march=x86-64-v4"], "AVX2": ["-march=x86-64-v3"], "DEFAULT": []}
+
+
+def is_x86() -> bool:
+    """Whether this machine is x86-64 (where the kernels' -march levels apply)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
 def cpu_flags() -> list[str]:
-    """-march for this CPU's vector unit as torch sees it: x86-64-v4 with AVX-512 (its
-    512-bit product kernel), x86-64-v3 with AVX2."""
-    is_x86 = platform.machine().lower() in ("x86_64", "amd64")
-    capability = torch.backends.cpu.get_cpu_capability()
-    if not is_x86 or capability not in ("AVX2", "AVX512"):
+    """-march for this CPU's vector unit as torch sees it: x86-64-v4 with AVX-512 (the
+    16-float kernels), x86-64-v3 with AVX2."""
+    if not is_x86():
         return []
-    return ["-march=x86-64-v4" if capability == "AVX512" else "-march=x86-64-v3"]
+    return list(X86_LEVELS.get(torch.backends.cpu.get_cpu_capability(), []))
 
 
 def build(flags: list[str] | None = None) -> Path:
@@ -253,9 +260,9 @@ def main() -> None:
     generic: an image built on one machine and run on another, each machine loading the
     build of its own level), printing where each went."""
     variants = [cpu_flags()]
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        variants += [flags for flags in (["-march=x86-64-v3"], []) if flags not in variants
-                     and (flags == [] or variants[0] == ["-march=x86-64-v4"])]
+    if is_x86():
+        levels = list(X86_LEVELS.values())
+        variants = levels[levels.index(variants[0]):]
     for flags in variants:
         print(f"{' '.join(flags) or 'generic'}: {build(flags)}")
 

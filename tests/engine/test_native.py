@@ -41,9 +41,9 @@ def kernel_build(request, monkeypatch):
     """The kernels built for this CPU, and, where that build is AVX-512's, the AVX2 build
     too (the one a CPU without AVX-512 runs): each test taking it checks both."""
     if request.param == "the AVX2 build":
-        if native.cpu_flags() != ["-march=x86-64-v4"]:
+        if native.cpu_flags() != native.X86_LEVELS["AVX512"]:
             pytest.skip("this CPU's build is not AVX-512's: the other case runs its kernels")
-        library = native.load_library(native.build(["-march=x86-64-v3"]))
+        library = native.load_library(native.build(native.X86_LEVELS["AVX2"]))
         monkeypatch.setattr(native, "_library", lambda: library)
     return request.param
 
