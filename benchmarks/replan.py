@@ -165,7 +165,8 @@ def move(strategies, traffic: Traffic, now_s: float, settings, evaluator, max_le
                 n = decision.numbers
                 sized = (f" [sized {n.sized_rate_rps:.2f} req/s; latency x{n.prefill_factor:.2f}"
                          f" prefill, x{n.decode_factor:.2f} decode]" if n.sized_rate_rps else "")
-                print(f"    (c) {decision.action} {decision.kind or ''}: {decision.reason}{sized}")
+                print(f"    (c) {now_s / 60:.0f} min {decision.action} {decision.kind or ''}: "
+                      f"{decision.reason}{sized}")
         if new is not None:
             s.pieces = reshuffle_pieces(s.plan, new, now_s, settings.reload_seconds)
             if verbose:

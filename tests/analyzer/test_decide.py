@@ -314,6 +314,24 @@ def test_no_scale_down_while_the_rate_rises():
     assert steady.action == "replan" and steady.numbers.new_gpus < 64
 
 
+def test_a_periodic_check_holds_a_scale_down_on_a_rise_too_small_to_be_a_shift():
+    # the plan was checked at 2.0 req/s; 1100 s later the window runs at 2.15: +7.5%, far
+    # under the 25% of a shift, but 1934 arrivals against 1800 (p 0.028) is a climb (the
+    # diurnal morning), and a plan sized on it would have no margin for the rest of it
+    evaluator = FakeEvaluator()
+    state = DecisionState(reference=make_observation(100, 2.0, seed=1))
+    window = make_observation(1200, 2.15, seed=2)
+    held = decide(window, make_plan(copies=8), make_settings(holdSeconds=0), state, evaluator)
+    assert held.action == "keep"
+    assert "a periodic check, 1100 s after the last" in held.reason
+    assert "the rate rose 7% since the plan was last checked (p=0.028)" in held.reason
+    assert held.numbers.new_gpus < 64  # a cheaper plan was there
+    # +2.5% (1845 arrivals, p 0.46) is noise: the cheaper plan is taken
+    flat = decide(make_observation(1200, 2.05, seed=2), make_plan(copies=8),
+                  make_settings(holdSeconds=0), state, evaluator)
+    assert flat.action == "replan" and flat.numbers.new_gpus < 64
+
+
 def test_a_move_that_would_miss_on_the_way_waits_unless_the_plan_misses_now():
     # 4 req/s on 4 copies after 8 req/s: 2 copies would do, but the reshuffle drains
     # before its new instances serve, and on the way it is predicted at 60%

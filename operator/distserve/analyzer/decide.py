@@ -70,6 +70,7 @@ from distserve.plan import Plan
 Action = Literal["keep", "replan", "recommend", "no-decision"]
 CORRECTION_WEIGHT = 0.5  # share of a new window's fitted factor in the running correction
 HISTORY_LENGTH = 20
+RISING_P_VALUE = 0.05  # a rise since the last check this significant holds a scale-down
 
 
 class PlanEvaluator(Protocol):
@@ -321,10 +322,13 @@ def decide(
     if traffic_ahead.is_rate_trend and traffic_ahead.rate_rps > observation.arrival_rate_rps:
         rising = (f"the rate is rising (forecast {traffic_ahead.rate_rps:.2f} req/s against "
                   f"{observation.arrival_rate_rps:.2f} in the window)")
-    elif verdict.is_rate_shifted and verdict.rate_change > 0:
+    elif verdict.rate_change > 0 and (verdict.is_rate_shifted or (
+            verdict.rate_p_value is not None and verdict.rate_p_value < RISING_P_VALUE)):
         # NOTE: a climb too slow for the window's own trend test (the diurnal morning: p
-        # 0.05 within one window) still shows against the window the plan was checked for
-        rising = f"the rate rose {verdict.rate_change:.0%} since the plan was last checked"
+        # 0.05 within one window) still shows against the window the plan was checked for;
+        # a scale-down waits on less evidence of a climb than a shift needs to count
+        p_value = "" if verdict.rate_p_value is None else f" (p={verdict.rate_p_value:.2g})"
+        rising = f"the rate rose {verdict.rate_change:.0%} since the plan was last checked{p_value}"
     return _choose(observation, sized_on, plan, settings, state, evaluator, verdict, miss,
                    numbers, present_rps, failing, rising, trigger, way=ahead,
                    current_attainment=sized_on_attainment)
