@@ -34,7 +34,8 @@ once per interval and pass back the `DecisionState` it returns. In order:
    last instance to make room for its replacement; only a miss seen now may take such
    a move), and among equal GPUs the move with the fewest loadings in a row. A miss
    moves to it; otherwise it must come while the rate is not rising (a significant
-   trend in the window, or a rise since the plan was last checked), keep
+   trend in the window, or a rise since the plan was last checked at p <
+   `RISING_P_VALUE`, less evidence than a shift needs), keep
    both phases serving, save `minGain` of the GPUs, and more GPU-seconds over the
    cooldown than its weight loading costs. Unless the plan is seen to miss now, a move
    predicted to miss the target on the way (`move_attainment`: what serves between its
