@@ -259,11 +259,8 @@ def main() -> None:
     """Build the kernel for this CPU and, on x86-64, for the levels below it (AVX2, and
     generic: an image built on one machine and run on another, each machine loading the
     build of its own level), printing where each went."""
-    variants = [cpu_flags()]
-    if is_x86():
-        levels = list(X86_LEVELS.values())
-        variants = levels[levels.index(variants[0]):]
-    for flags in variants:
+    own, levels = cpu_flags(), list(X86_LEVELS.values())
+    for flags in levels[levels.index(own):] if is_x86() else [own]:
         print(f"{' '.join(flags) or 'generic'}: {build(flags)}")
 
 

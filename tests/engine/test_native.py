@@ -235,9 +235,10 @@ def test_paged_decode_in_c_matches_attention_over_each_sequences_blocks(
     q = torch.randn(len(lens), num_heads, head_dim)
     out = torch.empty(len(lens), num_heads, head_dim)
     scale = head_dim**-0.5
+    tables, context_lens = tables.contiguous(), torch.tensor(lens)  # alive through the call
     assert native.paged_decode()(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.contiguous().data_ptr(),
-        torch.tensor(lens).data_ptr(), len(lens), max_blocks, block_size, num_heads,
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        context_lens.data_ptr(), len(lens), max_blocks, block_size, num_heads,
         num_kv_heads, head_dim, scale, out.data_ptr(), 1) == 0
     group = num_heads // num_kv_heads
     for b, n in enumerate(lens):
