@@ -101,6 +101,31 @@ def test_a_plan_larger_than_the_traffic_needs_is_checked_again_after_a_cooldown(
     assert "32 -> " not in decisions[3].reason and "a plan of 16 GPUs instead of 32" in decisions[3].reason
 
 
+def test_a_scale_down_waits_until_every_decision_of_the_hold_found_it():
+    # decisions a minute apart, as autoscalers stabilise a scale-down: the cheaper plan is
+    # taken once it has been the recommendation for the 300 s hold, five in a row, and
+    # a decision between that finds none starts the count again
+    evaluator = FakeEvaluator()
+    settings = make_settings(intervalSeconds=60)
+    state = DecisionState(reference=make_observation(900, 4.0, seed=1))
+    steady = [make_observation(t, 4.0, seed=t) for t in (1800, 1860, 1920, 1980, 2040)]
+    decisions = run(steady, make_plan(copies=4), settings, evaluator, state)
+    assert [d.action for d in decisions] == ["keep"] * 4 + ["replan"]
+    assert "a plan of 16 GPUs instead of 32 meets the target, the recommendation for 60 s " \
+        "of the 300 s hold" in decisions[0].reason
+    assert "the recommendation for 240 s of the 300 s hold" in decisions[3].reason
+    assert decisions[4].plan.num_gpus == 16
+    # a burst at minute 3 (a shift, held) breaks the run: the count starts over after it
+    broken = [*steady[:2], make_observation(1920, 8.0, seed=1920), *(
+        make_observation(t, 4.0, seed=t) for t in (1980, 2040, 2100, 2160, 2220))]
+    decisions = run(broken, make_plan(copies=4), settings, evaluator, state)
+    assert [d.action for d in decisions] == ["keep"] * 7 + ["replan"]
+    assert "the recommendation for 60 s of" in decisions[3].reason
+    # at an interval as long as the hold, the decision itself is the whole hold
+    once = run(steady[:1], make_plan(copies=4), make_settings(), evaluator, state)
+    assert once[0].action == "replan"
+
+
 def test_cooldown_follows_a_reshuffle():
     evaluator = FakeEvaluator()  # after the move, 24 GPUs of the short shape hold 4 req/s of long prompts
     windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 8.0, seed=2),
@@ -417,7 +442,7 @@ def test_the_state_survives_a_round_trip_through_json():
     windows = [make_observation(900, 4.0, seed=1), make_observation(1200, 8.0, seed=2),
                make_observation(1500, 3.0, "summarization", seed=3)]
     decisions = run(windows, make_plan(copies=2), make_settings(), evaluator)
-    state = replace(decisions[-1].state, correction=Correction(1.3, 0.8))
+    state = replace(decisions[-1].state, correction=Correction(1.3, 0.8), cheaper_since_s=1440.0)
     restored = DecisionState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert restored == state
     assert DecisionState.from_dict(None) == DecisionState()

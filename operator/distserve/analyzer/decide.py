@@ -20,7 +20,9 @@ once per interval and pass back the `DecisionState` it returns. In order:
    periodic check, which only a cheaper plan answers);
 4. hysteresis, as autoscalers scale up at once and down slowly: a shift must persist
    for `holdSeconds` and waits out `cooldownSeconds` after the last reshuffle began; a
-   miss waits for neither (requests are failing now); a window that holds a reshuffle
+   cheaper plan is taken only once every decision of the last `holdSeconds` (each
+   standing for the interval before it) found one; a
+   miss waits for none of these (requests are failing now); a window that holds a reshuffle
    is judged on its last third's attainment when that came after the move ended, else
    on none (the move, not the plan, is what it measured). A move ends when its new
    instances all serve: on a full cluster the reshuffle drains an old instance before
@@ -165,6 +167,9 @@ class DecisionState:
 
     reference: Observation | None = None  # the window the plan was last made or checked for
     trigger_since_s: float | None = None  # when the current trigger was first seen
+    # when the unbroken run of decisions that each found a cheaper plan worth moving to
+    # began (a scale-down waits until it has been the recommendation for holdSeconds)
+    cheaper_since_s: float | None = None
     last_reshuffle_s: float | None = None
     reshuffle_end_s: float | None = None  # when the last reshuffle's new instances all serve
     correction: Correction = Correction()
@@ -175,6 +180,7 @@ class DecisionState:
         return {
             "reference": asdict(self.reference) if self.reference is not None else None,
             "triggerSinceSeconds": self.trigger_since_s,
+            "cheaperSinceSeconds": self.cheaper_since_s,
             "lastReshuffleSeconds": self.last_reshuffle_s,
             "reshuffleEndSeconds": self.reshuffle_end_s,
             "correction": {"prefillFactor": self.correction.prefill_factor,
@@ -191,6 +197,7 @@ class DecisionState:
         return DecisionState(
             reference=_observation_from_dict(data.get("reference")),
             trigger_since_s=data.get("triggerSinceSeconds"),
+            cheaper_since_s=data.get("cheaperSinceSeconds"),
             last_reshuffle_s=data.get("lastReshuffleSeconds"),
             reshuffle_end_s=data.get("reshuffleEndSeconds"),
             correction=Correction(correction.get("prefillFactor", 1.0),
@@ -253,6 +260,8 @@ def decide(
         return _decision("no-decision", "no length histogram in the window", numbers, state,
                          observation)
     now_s = observation.end_s
+    # a scale-down pending its hold goes on only while every decision finds one
+    cheaper_since_s, state = state.cheaper_since_s, replace(state, cheaper_since_s=None)
     traffic_ahead = forecast(observation, horizon_seconds(settings), thresholds)
     state = replace(state, correction=_corrected(
         state, plan, observation, settings, evaluator, traffic_ahead.is_mix_trend))
@@ -302,7 +311,10 @@ def decide(
     # chosen while the mix moved (the ramp's forecast) or the rate peaked goes on being
     # "no shift" from there, so a cooldown after its last check it is checked again:
     # the periodic replanning of the design, which only a cheaper plan may answer
-    since_s = now_s if state.trigger_since_s is None or periodic else state.trigger_since_s
+    if periodic:
+        since_s = now_s if cheaper_since_s is None else cheaper_since_s
+    else:
+        since_s = now_s if state.trigger_since_s is None else state.trigger_since_s
     state = replace(state, reference=reference, trigger_since_s=None if periodic else since_s)
     numbers = replace(numbers, held_s=now_s - since_s)
     trigger = miss or (f"shift ({verdict.describe()})" if not periodic else
@@ -453,6 +465,20 @@ def _choose(
         if worth is not None:
             return _decision("keep", f"{trigger} and the plan still meets the target; {worth}",
                              numbers, settled, observation, verdict=verdict)
+        # NOTE: as autoscalers stabilise a scale-down (the highest recommendation over a
+        # window): each decision stands for the interval before it, and a cheaper plan is
+        # taken once the decisions of the last holdSeconds all found one. At an interval
+        # of the hold that is the decision itself; at a minute, five in a row (one check
+        # at minute 17 of the morning's climb dropped 7 GPUs to 4, and the ramp at minute
+        # 40 broke the 4)
+        recommended_s = (numbers.held_s or 0.0) + settings.interval_seconds
+        if recommended_s < settings.hold_seconds:
+            return _decision(
+                "keep", f"{trigger}; a plan of {best.num_gpus} GPUs instead of "
+                f"{plan.num_gpus} meets the target, the recommendation for "
+                f"{recommended_s:.0f} s of the {settings.hold_seconds:.0f} s hold",
+                numbers, replace(state, cheaper_since_s=observation.end_s - (numbers.held_s or 0.0)),
+                observation, verdict=verdict)
         why = (f"a plan of {best.num_gpus} GPUs instead of {plan.num_gpus} meets the target "
                f"({numbers.gpu_gain:.0%} fewer; saves {numbers.saving_gpu_s:.0f} GPU-s over the "
                f"cooldown against {numbers.reshuffle_cost_gpu_s:.0f} GPU-s of weight loading)")

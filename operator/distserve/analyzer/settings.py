@@ -2,7 +2,7 @@
 
 A standalone model (camelCase in YAML, as the rest of the spec) that the spec embeds;
 `decide.py` reads it. The defaults favour staying put: a shift must persist for
-`holdSeconds`, a reshuffle is followed by `cooldownSeconds` without another, and a
+`holdSeconds` (and a cheaper plan be found by every decision over as long), a reshuffle is followed by `cooldownSeconds` without another, and a
 cheaper plan must save `minGain` of the GPUs (and more GPU-seconds over the cooldown
 than its weight loading costs) before it is worth moving to.
 """
@@ -31,7 +31,8 @@ class ReplanningSpec(SpecModel):
     )
     hold_seconds: float = Field(
         default=300, ge=0,
-        description="A shift or a predicted miss must persist this long before a replan.",
+        description="A shift must persist this long before a replan, and a cheaper plan "
+        "be found by every decision this long before a scale-down (a miss waits for neither).",
     )
     cooldown_seconds: float = Field(
         default=900, ge=0, description="No replan for this long after a reshuffle."
