@@ -21,10 +21,10 @@ once per interval and pass back the `DecisionState` it returns. In order:
 4. hysteresis, as autoscalers scale up at once and down slowly: a shift must persist
    for `holdSeconds` and waits out `cooldownSeconds` after the last reshuffle began; a
    cheaper plan is taken only once every decision of the last `holdSeconds` (each
-   standing for the interval before it) found one; a
-   miss waits for none of these (requests are failing now); a window that holds a reshuffle
-   is judged on its last third's attainment when that came after the move ended, else
-   on none (the move, not the plan, is what it measured). A move ends when its new
+   standing for the interval before it) found one; a miss waits for none of these
+   (requests are failing now); a window that holds a reshuffle is judged on its last
+   third's attainment when that came after the move ended, else on none (the move, not
+   the plan, is what it measured). A move ends when its new
    instances all serve: on a full cluster the reshuffle drains an old instance before
    each new one starts, so the loadings run one after another (`reshuffle_loadings`);
 5. two candidates, the current shape with more or fewer copies (`scale`) and the
@@ -471,13 +471,14 @@ def _choose(
         # of the hold that is the decision itself; at a minute, five in a row (one check
         # at minute 17 of the morning's climb dropped 7 GPUs to 4, and the ramp at minute
         # 40 broke the 4)
-        recommended_s = (numbers.held_s or 0.0) + settings.interval_seconds
+        held_s = numbers.held_s or 0.0
+        recommended_s = held_s + settings.interval_seconds
         if recommended_s < settings.hold_seconds:
             return _decision(
                 "keep", f"{trigger}; a plan of {best.num_gpus} GPUs instead of "
                 f"{plan.num_gpus} meets the target, the recommendation for "
                 f"{recommended_s:.0f} s of the {settings.hold_seconds:.0f} s hold",
-                numbers, replace(state, cheaper_since_s=observation.end_s - (numbers.held_s or 0.0)),
+                numbers, replace(state, cheaper_since_s=observation.end_s - held_s),
                 observation, verdict=verdict)
         why = (f"a plan of {best.num_gpus} GPUs instead of {plan.num_gpus} meets the target "
                f"({numbers.gpu_gain:.0%} fewer; saves {numbers.saving_gpu_s:.0f} GPU-s over the "
