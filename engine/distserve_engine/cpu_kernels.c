@@ -725,14 +725,17 @@ DEFINE_PREFILL_ATTENTION(8, ATTN_ROWS)
 #define ATTN_ROWS_WIDE 6
 #define KEY_TILE_WIDE 16
 DEFINE_PREFILL_ATTENTION(16, ATTN_ROWS_WIDE)
-#define ATTN_BLOCK_16(ROWS)                                                                  \
-    case ROWS:                                                                               \
-        attention_block16(ROWS, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs); \
-        break;
 #else
 #define ATTN_ROWS_WIDE ATTN_ROWS
 #define KEY_TILE_WIDE 8
 #endif
+
+/* one case of prefill_attention_f32's switch on a block's rows: W-float vectors, ROWS
+ * rows (a constant, so attention_block##W unrolls for it) */
+#define ATTN_BLOCK(W, ROWS)                                                                  \
+    case ROWS:                                                                               \
+        attention_block##W(ROWS, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs); \
+        break;
 
 #if defined(__AVX2__) && defined(__FMA__)
 int prefill_attention_f32(const float *q, const float *k, const float *v, const int64_t *lens,
@@ -790,18 +793,13 @@ int prefill_attention_f32(const float *q, const float *k, const float *v, const 
 #if defined(__AVX512F__)
                     if (wide) {
                         switch (rows) {
-                        ATTN_BLOCK_16(6) ATTN_BLOCK_16(5) ATTN_BLOCK_16(4) ATTN_BLOCK_16(3)
-                        ATTN_BLOCK_16(2) default: ATTN_BLOCK_16(1)
+                        ATTN_BLOCK(16, 6) ATTN_BLOCK(16, 5) ATTN_BLOCK(16, 4) ATTN_BLOCK(16, 3)
+                        ATTN_BLOCK(16, 2) default: ATTN_BLOCK(16, 1)
                         }
                         continue;
                     }
 #endif
-                    if (rows == 3)
-                        attention_block8(3, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs);
-                    else if (rows == 2)
-                        attention_block8(2, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs);
-                    else
-                        attention_block8(1, qs, counts, kt, values, kv_stride, n, head_dim, scale, scores, outs);
+                    switch (rows) { ATTN_BLOCK(8, 3) ATTN_BLOCK(8, 2) default: ATTN_BLOCK(8, 1) }
                 }
             }
             free(kt);

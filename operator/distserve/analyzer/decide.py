@@ -24,9 +24,9 @@ once per interval and pass back the `DecisionState` it returns. In order:
    standing for the interval before it) found one; a miss waits for none of these
    (requests are failing now); a window that holds a reshuffle is judged on its last
    third's attainment when that came after the move ended, else on none (the move, not
-   the plan, is what it measured). A move ends when its new
-   instances all serve: on a full cluster the reshuffle drains an old instance before
-   each new one starts, so the loadings run one after another (`reshuffle_loadings`);
+   the plan, is what it measured). A move ends when its new instances all serve: on a
+   full cluster the reshuffle drains an old instance before each new one starts, so the
+   loadings run one after another (`reshuffle_loadings`);
 5. two candidates, the current shape with more or fewer copies (`scale`) and the
    search's plan (`search`), are simulated on the same workload (with a length mix
    under way, where the shift leads when the current plan does worse there: sized for

@@ -2,9 +2,10 @@
 
 A standalone model (camelCase in YAML, as the rest of the spec) that the spec embeds;
 `decide.py` reads it. The defaults favour staying put: a shift must persist for
-`holdSeconds` (and a cheaper plan be found by every decision over as long), a reshuffle is followed by `cooldownSeconds` without another, and a
-cheaper plan must save `minGain` of the GPUs (and more GPU-seconds over the cooldown
-than its weight loading costs) before it is worth moving to.
+`holdSeconds` (and a cheaper plan be found by every decision over as long), a reshuffle
+is followed by `cooldownSeconds` without another, and a cheaper plan must save
+`minGain` of the GPUs (and more GPU-seconds over the cooldown than its weight loading
+costs) before it is worth moving to.
 """
 
 from __future__ import annotations
