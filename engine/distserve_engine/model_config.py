@@ -61,6 +61,9 @@ class ModelConfig:
     def _from_hf_llama_like(cls, arch: str, hf: dict[str, Any]) -> ModelConfig:
         num_heads = hf["num_attention_heads"]
         rope = hf.get("rope_parameters") or {}  # transformers >= 5 folds rope_scaling in here
+        scaling = hf.get("rope_scaling") or rope or None
+        if scaling and (scaling.get("rope_type") or scaling.get("type") or "default") == "default":
+            scaling = None  # the theta alone: no scaling, as a GGUF or an older config says
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -73,7 +76,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or 0,
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=hf.get("rope_theta") or rope.get("rope_theta", 10000.0),
-            rope_scaling=hf.get("rope_scaling") or rope or None,
+            rope_scaling=scaling,
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", False),
             activation=hf.get("hidden_act", "silu"),
