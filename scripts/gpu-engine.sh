@@ -108,7 +108,7 @@ if [ -f "$OUT/profile.json" ]; then
     else
         deployments=(--no-disaggregated --colocated 1)
     fi
-    step "fidelity" 210 "${DISTSERVE[@]}" fidelity -f "$WORK/gpu.yaml" --profile "$OUT/profile.json" \
+    step "fidelity" 180 "${DISTSERVE[@]}" fidelity -f "$WORK/gpu.yaml" --profile "$OUT/profile.json" \
         --requests "$REQUESTS" "${deployments[@]}" ${GPU_FIDELITY_ARGS:-}
 fi
 
