@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import yaml
 
@@ -97,3 +100,19 @@ def test_simulate_refuses_an_unprofiled_degree_of_a_profiled_model(tmp_path, cap
     analytic = write_spec(tmp_path, planner={"numRequests": 100, "workers": 1, "latencyModel": "analytic"})
     assert main(["simulate", "-f", analytic, "--rate", "1", "--prefill", "2x1x1", "--decode", "1x1x1"]) == 0
     assert "latency      analytic" in capsys.readouterr().out
+
+
+def test_python_dash_m_distserve_runs_the_cli_where_it_is_not_installed(tmp_path):
+    """Where the package is on the path but not installed (the GPU script's bare machine),
+    `python -m distserve` is the console script: same commands, same exit status."""
+    root = Path(__file__).resolve().parents[2]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{root / 'operator'}:{root / 'engine'}"}
+    planned = subprocess.run([sys.executable, "-m", "distserve", "plan", "-f",
+                              write_spec(tmp_path), "--json"],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout)["num_gpus"] >= 2
+    missing = subprocess.run([sys.executable, "-m", "distserve", "plan", "-f",
+                              str(tmp_path / "absent.yaml")],
+                             capture_output=True, text=True, env=env, timeout=120)
+    assert missing.returncode != 0 and "absent.yaml" in missing.stderr

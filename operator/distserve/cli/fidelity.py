@@ -228,12 +228,13 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             raise ValueError(f"{shape.describe()}: the simulated attainment has no knee on this "
                              "trace; give --rates")
         at_rates = rates or [round(knee_rps * f, 3) for f in KNEE_FACTORS]
-        unloaded = judged_by + KNEE_DROP
-        why = ("" if judged_by == spec.slo.attainment else
-               f" (unloaded the simulator meets the SLOs for {unloaded:.0%}; no rate has a "
-               f"knee)" if knee_rps <= 0 else
-               f" (unloaded the simulator meets the SLOs for {unloaded:.0%}; the knee "
-               f"is where that falls to {judged_by:.0%})")
+        unloaded = f"unloaded the simulator meets the SLOs for {judged_by + KNEE_DROP:.0%}"
+        if judged_by == spec.slo.attainment:
+            why = ""
+        elif knee_rps <= 0:
+            why = f" ({unloaded}; no rate has a knee)"
+        else:
+            why = f" ({unloaded}; the knee is where that falls to {judged_by:.0%})"
         _say(f"\n{shape.describe()}: simulated knee {knee_rps:.3f} req/s{why}; rates "
              + ", ".join(f"{r:g}" for r in at_rates) + " req/s")
         factors_from = "the calibration" if calibration is not None else None
