@@ -16,10 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import shutil
-import sys
 from pathlib import Path
-
-ENGINE = Path(__file__).resolve().parent.parent / "engine"
 
 
 def smollm2_gguf_folder() -> Path:
@@ -32,7 +29,6 @@ def smollm2_gguf_folder() -> Path:
 
 def write_shape(out: Path) -> None:
     """config.json (a LlamaConfig of the GGUF's dimensions) and the tokenizer's files."""
-    sys.path.insert(0, str(ENGINE))
     from transformers import LlamaConfig
 
     from distserve_engine.loader import load_model_config, resolve_checkpoint

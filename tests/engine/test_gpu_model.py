@@ -33,12 +33,14 @@ def random_smollm2(smollm2_dir: Path, tmp_path_factory) -> tuple[Path, Path]:
     return shape, model
 
 
+@pytest.mark.slow
 def test_the_shape_is_small_enough_to_travel(random_smollm2):
     shape, _ = random_smollm2
     assert not list(shape.glob("*.safetensors")) and not list(shape.glob("*.gguf"))
     assert sum(f.stat().st_size for f in shape.iterdir()) < MAX_SHAPE_BYTES
 
 
+@pytest.mark.slow
 def test_the_random_model_has_smollm2s_dimensions_and_tokenizer(random_smollm2, smollm2_dir):
     _, model = random_smollm2
     gguf = resolve_checkpoint(str(smollm2_dir))
