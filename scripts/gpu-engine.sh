@@ -19,6 +19,7 @@ ROOT=$PWD
 OUT=${OUT:-$ROOT/out/gpu}
 DEVICE=${GPU_DEVICE:-cuda}
 REQUESTS=${GPU_FIDELITY_REQUESTS:-200}
+FIDELITY_LIMIT_S=${GPU_FIDELITY_LIMIT_S:-180}  # a dry run on a CPU needs more
 WORK=$(mktemp -d /tmp/distserve-gpu.XXXXXX)
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu-engine.log") 2>&1
@@ -108,7 +109,7 @@ if [ -f "$OUT/profile.json" ]; then
     else
         deployments=(--no-disaggregated --colocated 1)
     fi
-    step "fidelity" 180 "${DISTSERVE[@]}" fidelity -f "$WORK/gpu.yaml" --profile "$OUT/profile.json" \
+    step "fidelity" "$FIDELITY_LIMIT_S" "${DISTSERVE[@]}" fidelity -f "$WORK/gpu.yaml" --profile "$OUT/profile.json" \
         --requests "$REQUESTS" "${deployments[@]}" ${GPU_FIDELITY_ARGS:-}
 fi
 
