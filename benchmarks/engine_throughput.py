@@ -14,7 +14,8 @@ oneDNN-blocked copies), a second runner timed in the same rounds.
 Each line also prints what it is measured against, timed in the same rounds:
 - gemm: the rate if a step did nothing but its matrix multiplies (the engine's own
   weights, its layout, the step's row count: batch for decode, batch * prompt for
-  prefill), and the engine's share of it;
+  prefill, batch for the linears a prefill runs for its sampled rows alone), and the
+  engine's share of it;
 - mem (batch 1 decode): the rate if a step only read the weights once at the measured
   copy bandwidth (bytes read + written per second of a 256 MiB tensor copy).
 
@@ -93,15 +94,25 @@ def layer_linears(runner) -> list[torch.nn.Module]:
             if m is not head and isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
 
 
+def sampled_rows_only(runner) -> list[torch.nn.Module]:
+    """The linears a prefill runs for its sampled rows alone (`CausalLM.forward`'s `rows`):
+    the last layer's past its attention (all but the fused qkv projection)."""
+    last = runner.model.layers[-1]
+    return [m for m in last.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))][1:]
+
+
 def gemm_rate(linears: list[torch.nn.Module], head: torch.nn.Module, rows: int,
-              head_rows: int, dtype: torch.dtype) -> float:
-    """Tokens/s of a step that only ran its GEMMs: `rows` through every layer's
-    weights and `head_rows` through the LM head, as the engine runs them."""
-    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
+              head_rows: int, dtype: torch.dtype, at_head_rows: list[torch.nn.Module] = ()
+              ) -> float:
+    """Tokens/s of a step that only ran its GEMMs: `rows` through every layer's weights
+    (`head_rows` through those of `at_head_rows`) and `head_rows` through the LM head, as
+    the engine runs them."""
+    inputs = {(m.in_features, n): torch.randn(n, m.in_features, dtype=dtype)
+              for m in linears for n in {rows, head_rows}}
     head_input = torch.randn(head_rows, head.in_features, dtype=dtype)
     start = time.perf_counter()
     for module in linears:
-        linear(inputs[module.in_features], module)
+        linear(inputs[module.in_features, head_rows if module in at_head_rows else rows], module)
     head(head_input)
     return rows / (time.perf_counter() - start)
 
@@ -173,7 +184,8 @@ def main() -> None:
                 timed[name] = rates(model_or_runner, prompts, args.steps)
             head = runner.model.lm_head
             g_prefill, g_decode = (
-                gemm_rate(linears, head, batch * args.prompt_len, batch, runner.dtype),
+                gemm_rate(linears, head, batch * args.prompt_len, batch, runner.dtype,
+                          sampled_rows_only(runner)),
                 gemm_rate(linears, head, batch, batch, runner.dtype))
             mem = copy_bandwidth() / weight_bytes
             (e_prefill, e_decode), (h_prefill, h_decode) = timed["engine"], timed["transformers"]

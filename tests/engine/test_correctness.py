@@ -12,6 +12,7 @@ from distserve_engine.generate import generate
 from distserve_engine.models.llama import LlamaForCausalLM
 from distserve_engine.runner import ModelRunner
 from distserve_engine.sampling import SamplingParams
+from distserve_engine.sequence import Sequence
 
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
@@ -44,6 +45,33 @@ def test_batched_greedy_32_tokens_match_transformers(fixture, request):
         assert seq.output_token_ids == hf_greedy(ref, prompt, 32)
         assert seq.finish_reason == "length"
     assert runner.block_manager.num_free_blocks == runner.num_blocks
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_opt_dir"])
+def test_a_prefill_runs_its_last_layer_past_attention_for_the_sampled_rows_alone(fixture,
+                                                                                request):
+    folder = request.getfixturevalue(fixture)
+    runner, ref = tiny_runner(folder), hf_model(folder)
+    prompts = make_prompts(runner.model_config.vocab_size, [9, 1, 30], seed=3)
+    mlp_rows = []
+    last_mlp_out = [m for m in runner.model.layers[-1].modules()
+                    if m is not runner.model.layers[-1] and hasattr(m, "in_features")][-1]
+    hook = last_mlp_out.register_forward_hook(lambda m, args, out: mlp_rows.append(len(args[0])))
+    try:
+        seqs = [Sequence(i, p, GREEDY_32) for i, p in enumerate(prompts)]
+        runner.prefill(seqs)
+    finally:
+        hook.remove()
+    assert mlp_rows == [len(prompts)]  # one row per sequence, not one per prompt token
+    for row, prompt in enumerate(prompts):
+        torch.testing.assert_close(runner.last_logits[row], hf_logits(ref, prompt)[-1],
+                                   atol=1e-4, rtol=1e-4)
+    # every prompt token's keys and values went into the cache: decoding goes on as
+    # transformers does
+    for _ in range(3):
+        runner.decode(seqs)
+    for seq in seqs:
+        assert seq.output_token_ids == hf_greedy(ref, seq.prompt_token_ids, 4)
 
 
 def test_decode_logits_match_transformers(tiny_llama_dir):

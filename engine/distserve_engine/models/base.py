@@ -70,8 +70,15 @@ class CausalLM(nn.Module):
             self.lm_head.weight = embedding.weight
             self.is_head_shared = True
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        """x: token ids (T,) on the first stage, else hidden (T, hidden) -> hidden (T, hidden)."""
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x: token ids (T,) on the first stage, else hidden (T, hidden) -> hidden (T, hidden).
+
+        With `rows` (the last stage's prefill: each sequence's last new token, whose logits
+        are sampled), the last layer writes every row's keys and values into the cache and
+        runs the rest (output projection, MLP) for those rows alone; the result is
+        (len(rows), hidden). The other rows' states past the last attention are never
+        read, and the MLP is most of a layer's work."""
         raise NotImplementedError
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -41,8 +41,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(c.num_heads * c.head_dim, c.hidden_size, False, state)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: RopeTable,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden)."""
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden), or (len(rows), hidden): every row's keys and values
+        go into the cache, the output projection runs for `rows` alone."""
         qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) * D)
         num_qk = (self.num_heads + self.num_kv_heads) * self.head_dim
         qk = qkv[:, :num_qk].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -50,7 +52,7 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]  # (T, H, D), (T, Hkv, D)
         v = qkv[:, num_qk:].view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H*D)
-        return self.o_proj(out)
+        return self.o_proj(out if rows is None else out[rows])
 
 
 class LlamaMLP(nn.Module):
@@ -92,9 +94,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(c, state)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: RopeTable,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden); adds to x in place (the residual stream is owned)."""
-        x.add_(self.self_attn(self.input_layernorm(x), meta, rope, k_cache, v_cache))
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden), or (len(rows), hidden) past the attention (see
+        `CausalLM.forward`); adds to x in place (the residual stream is owned)."""
+        attended = self.self_attn(self.input_layernorm(x), meta, rope, k_cache, v_cache, rows)
+        if rows is not None:
+            x = x[rows]  # a copy: the kept rows' residual stream
+        x.add_(attended)
         return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -112,15 +119,18 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head = ColumnParallelLinear(c.hidden_size, [self.padded_vocab], False, state)
         self.share_tied_head(self.embed_tokens)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        """Token ids (T,) on the first stage, else hidden (T, hidden) -> hidden (T, hidden)."""
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (T,) on the first stage, else hidden (T, hidden) -> hidden (T, hidden),
+        or (len(rows), hidden) (see `CausalLM.forward`)."""
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x.clone()
         rope = self.rotary.table(meta.positions, hidden.dtype)  # once per step, not per layer
-        if self._decode_in_c(hidden, meta, kv_cache, rope):
+        if rows is None and self._decode_in_c(hidden, meta, kv_cache, rope):
             return hidden
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, meta, rope, *kv_cache.layer(i))
-        return hidden
+            hidden = layer(hidden, meta, rope, *kv_cache.layer(i), rows if i == last else None)
+        return hidden if rows is None or self.layers else hidden[rows]
 
     def _decode_in_c(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
                      rope: RopeTable) -> bool:

@@ -41,13 +41,16 @@ class OPTDecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(h)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden)."""
+                v_cache: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden), or (len(rows), hidden) past the attention (see
+        `CausalLM.forward`)."""
         h = self.self_attn_layer_norm(x) if self.is_pre_norm else x
         q, k, v = self.qkv_proj(h).split(self.qkv_proj.local_sizes, dim=-1)
         shape = (-1, self.num_heads, self.head_dim)  # (T, H, D)
         attn = paged_attention(q.view(shape), k.view(shape), v.view(shape), k_cache, v_cache,
                                meta, self.head_dim**-0.5)  # (T, H*D)
+        if rows is not None:
+            attn, x = attn[rows], x[rows]
         x = x + self.out_proj(attn)
         if not self.is_pre_norm:
             x = self.self_attn_layer_norm(x)
@@ -77,16 +80,19 @@ class OPTForCausalLM(CausalLM):
                                                 False, state)
         self.share_tied_head(self.embed_tokens if state.is_first_stage else None)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        """Token ids (T,) on the first stage, else hidden (T, hidden) -> hidden (T, hidden)."""
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (T,) on the first stage, else hidden (T, hidden) -> hidden (T, hidden),
+        or (len(rows), hidden) (see `CausalLM.forward`)."""
         if self.state.is_first_stage:
             embeds = self.embed_tokens(x)  # (T, word_embed_proj_dim)
             if self.project_in is not None:
                 embeds = self.project_in(embeds)
             x = embeds + self.embed_positions(meta.positions + POSITION_OFFSET)  # (T, hidden)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, meta, *kv_cache.layer(i))
-        return x
+            x = layer(x, meta, *kv_cache.layer(i), rows if i == last else None)
+        return x if rows is None or self.layers else x[rows]
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final LayerNorm and projection; (B, hidden) -> (B, word_embed_proj_dim)."""
