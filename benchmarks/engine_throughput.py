@@ -9,7 +9,10 @@ generate call, a stopping criterion noting when each token arrives.
 
 With `--torch-paths`, each line also prints the engine as it runs with torch's operators
 alone (its C kernels off, each linear's weight as (in, out) only, no packed or
-oneDNN-blocked copies), a second runner timed in the same rounds.
+oneDNN-blocked copies), a second runner timed in the same rounds. With `--every-row`,
+the engine with a prefill's last layer run past its attention for every prompt token,
+not only for the sampled last ones (`CausalLM.forward`'s `rows`), timed in the same
+rounds (decode does not change: its ratio reads the rounds' noise).
 
 Each line also prints what it is measured against, timed in the same rounds:
 - gemm: the rate if a step did nothing but its matrix multiplies (the engine's own
@@ -20,6 +23,7 @@ Each line also prints what it is measured against, timed in the same rounds:
   copy bandwidth (bytes read + written per second of a 256 MiB tensor copy).
 
     python benchmarks/engine_throughput.py [--dtype float32|bfloat16] [--threads N] [--torch-paths]
+        [--every-row]
 """
 
 from __future__ import annotations
@@ -157,6 +161,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--torch-paths", action="store_true",
                         help="also time the engine with torch's operators alone")
+    parser.add_argument("--every-row", action="store_true",
+                        help="also time the engine with a prefill's last layer run for every row")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner = engine_runner(args.dtype)
@@ -172,12 +178,15 @@ def main() -> None:
     hf_rates(model, random_prompts(2, 16, seed=99), 2)
     for batch in args.batches:
         prompts = random_prompts(batch, args.prompt_len, seed=batch)
-        rounds = []  # per round: engine, transformers, gemm-only, memory bound, torch paths
+        # per round: engine, transformers, gemm-only, memory bound, torch paths, every row
+        rounds = []
         for repeat in range(args.repeats):
             timed = {}
             runs = {"engine": (engine_rates, runner), "transformers": (hf_rates, model)}
             if plain is not None:
                 runs["torch paths"] = (plain_rates, plain)
+            if args.every_row:
+                runs["every row"] = (every_row_rates, runner)
             order = list(runs) if repeat % 2 == 0 else list(reversed(runs))
             for name in order:  # alternate who goes first, so none always meets the same load
                 rates, model_or_runner = runs[name]
@@ -190,8 +199,9 @@ def main() -> None:
             mem = copy_bandwidth() / weight_bytes
             (e_prefill, e_decode), (h_prefill, h_decode) = timed["engine"], timed["transformers"]
             p_prefill, p_decode = timed.get("torch paths", (None, None))
-            rounds.append(((e_decode, h_decode, g_decode, mem, p_decode),
-                           (e_prefill, h_prefill, g_prefill, None, p_prefill)))
+            a_prefill, a_decode = timed.get("every row", (None, None))
+            rounds.append(((e_decode, h_decode, g_decode, mem, p_decode, a_decode),
+                           (e_prefill, h_prefill, g_prefill, None, p_prefill, a_prefill)))
         for kind, index in (("decode", 0), ("prefill", 1)):
             is_memory_bound = batch == 1 and kind == "decode"
             print(f"batch={batch:3d} {kind:7s} {summary([r[index] for r in rounds], is_memory_bound)}"
@@ -202,6 +212,30 @@ def plain_rates(runner, prompts: list[list[int]], steps: int) -> tuple[float, fl
     """engine_rates with the C kernels off."""
     with native.torch_paths_only():
         return engine_rates(runner, prompts, steps)
+
+
+class _EveryRow:
+    """A runner's model whose prefill runs its last layer for every row, the sampled rows
+    picked from its output (as the engine ran before `CausalLM.forward` took `rows`)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __call__(self, x, meta, kv_cache, rows=None):
+        hidden = self.model(x, meta, kv_cache)
+        return hidden if rows is None else hidden[rows]
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+
+def every_row_rates(runner, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """engine_rates with a prefill's last layer run for every row."""
+    model, runner.model = runner.model, _EveryRow(runner.model)
+    try:
+        return engine_rates(runner, prompts, steps)
+    finally:
+        runner.model = model
 
 
 def summary(rounds: list[tuple[float | None, ...]], with_memory_bound: bool) -> str:
@@ -219,6 +253,9 @@ def summary(rounds: list[tuple[float | None, ...]], with_memory_bound: bool) -> 
     if rounds[0][4] is not None:
         line += (f" | torch paths={statistics.median(r[4] for r in rounds):7.1f} "
                  f"engine/torch paths={ratio(0, 4)}")
+    if rounds[0][5] is not None:
+        line += (f" | every row={statistics.median(r[5] for r in rounds):7.1f} "
+                 f"engine/every row={ratio(0, 5)}")
     return line
 
 
