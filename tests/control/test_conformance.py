@@ -8,8 +8,9 @@ of one token, so blocks and the simulator's tokens are the same unit; a request 
 its true length, as at EOS) with no thread: the test steps them. Clients set max_tokens
 exactly or loosely (4x the true length); the simulator sees only the true lengths, and
 the decisions must not differ. Compared: the requests of each prefill batch (recomputed
-ones included), the members of each run of decode steps in admission order, and the
-requests preempted, in order. Dispatch: the router's `pick_decode` and the simulator's
+ones included; their number as `SimResult.num_prefill_batches` counts them too), the
+members of each run of decode steps in admission order, and the requests preempted, in
+order. Dispatch: the router's `pick_decode` and the simulator's
 `hand_to_decode` choose the same decode instance for the same loads, and the router's
 `pick_prefill` over colocated instances the same one the colocated simulator queues a
 new request on.
@@ -315,6 +316,8 @@ def test_decode_instance_and_simulator_decide_alike(case, max_tokens_scale, sim_
                                     max_decode_batch=case.max_batch)
     assert decisions(engine_log) == decisions(sim_log)
     assert engine_preemptions == result.num_preemptions == case.num_preemptions
+    # the count `distserve fidelity` sets beside the instances' logged prefill iterations
+    assert result.num_prefill_batches == len(decisions(engine_log)["prefill"])
 
 
 @pytest.mark.parametrize("max_tokens_scale", [1, 4])
@@ -326,14 +329,17 @@ def test_colocated_instance_and_simulator_decide_alike(case, max_tokens_scale, s
                                 max_batch=case.max_batch)
     assert decisions(engine_log) == decisions(sim_log)
     assert engine_preemptions == result.num_preemptions == case.num_preemptions
+    # the count `distserve fidelity` sets beside the instances' logged prefill iterations
+    assert result.num_prefill_batches == len(decisions(engine_log)["prefill"])
 
 
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: c.name)
 def test_prefill_instance_and_simulator_batch_alike(case, sim_log):
     engine_log = engine_prefill(case)
-    simulate_disaggregated(make_trace(case), [make_model(case)], [], transfer=None,
-                           max_prefill_tokens=case.max_prefill_tokens)
+    result = simulate_disaggregated(make_trace(case), [make_model(case)], [], transfer=None,
+                                    max_prefill_tokens=case.max_prefill_tokens)
     assert decisions(engine_log)["prefill"] == decisions(sim_log)["prefill"]
+    assert result.num_prefill_batches == len(decisions(engine_log)["prefill"])
 
 
 # --- dispatch ----------------------------------------------------------------------

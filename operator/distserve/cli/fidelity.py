@@ -16,9 +16,11 @@ decode instances, then `--colocated N` colocated instances (the baseline). Per d
 3. `--requests` of the sample replayed at x0.75, x1 and x1.25 the knee, or at `--rates`.
    Beside each measured figure (attainment, TTFT and TPOT p50 and p90) it prints the
    simulator's for the same requests at the same times, the gap, whether the gap is within
-   the goal (attainment within 2 points, percentiles within 10%), the simulator's figures
-   with the profile as measured and with the run's own iteration factors (the latency
-   model's error told from the rest), and the 1-minute load average over the run.
+   the goal (attainment within 2 points, percentiles within 10%), the simulator's
+   figures with the profile as measured and with the run's own iteration factors (the
+   latency model's error told from the rest; each with the count of prefill iterations
+   the simulator ran, to set against the instances' own: the same policy forms the same
+   batches), and the 1-minute load average over the run.
 The latency profile is the one `distserve up` plans with (this machine's, measured on
 first use and cached; `--profile FILE`, `--no-measure`); its fit error is printed first.
 """

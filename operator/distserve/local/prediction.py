@@ -128,6 +128,7 @@ def predicted_summary(result: SimResult, trace: Trace, rate_rps: float, ttft_slo
         num_errors=int(np.isnan(result.ttft_s).sum()),
         attainment=result.attainment(SLO(ttft_slo_s, tpot_slo_s, 1.0, "both")),
         ttft_p_s=pct(ttfts), tpot_p_s=pct(tpots),
+        num_prefill_batches=result.num_prefill_batches,
     )
 
 

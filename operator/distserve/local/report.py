@@ -25,6 +25,7 @@ class RunSummary:
     attainment: float  # share of requests meeting both SLOs
     ttft_p_s: dict[int, float]  # percentile -> seconds
     tpot_p_s: dict[int, float]
+    num_prefill_batches: int | None = None  # simulated runs: prefill iterations (`SimResult`)
 
     @property
     def slo_goodput_rps(self) -> float:
@@ -133,4 +134,6 @@ def format_other(what: str, predicted) -> str:
     run's own iteration factors), to tell the latency model's error from the rest."""
     return (f"  {what}: attainment {predicted.attainment:6.1%}, "
             f"TTFT p50/p90 {predicted.ttft_p_s[50]:.3f}/{predicted.ttft_p_s[90]:.3f} s, "
-            f"TPOT p50/p90 {predicted.tpot_p_s[50]:.3f}/{predicted.tpot_p_s[90]:.3f} s")
+            f"TPOT p50/p90 {predicted.tpot_p_s[50]:.3f}/{predicted.tpot_p_s[90]:.3f} s"
+            + ("" if predicted.num_prefill_batches is None else
+               f", {predicted.num_prefill_batches} prefill iterations"))

@@ -137,6 +137,7 @@ class _Lane:
         for rid in rids:
             instance.admit(rid)
         if rids:
+            self.sim.rec.num_prefill_batches += 1
             seconds = self.timer.prefill_iteration_s(tuple(held[r] for r in rids))
             self.is_busy = True
             self.sim.loop.at(now + seconds, self._prefill_end, rids)

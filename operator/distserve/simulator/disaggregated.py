@@ -172,6 +172,7 @@ class _Prefill:
         rids = [queue.popleft() for _ in range(count)]
         lens = tuple([prompt[r] for r in rids])
         self.held_tokens += sum(lens)
+        self.sim.rec.num_prefill_batches += 1
         stage_s, handoff_s = self.inst.timer.prefill_batch_s(lens)
         ready_s, free = loop.now, self.stage_free_s
         for k, free_s in enumerate(free):  # each stage starts when it and the batch are free
@@ -356,6 +357,7 @@ class _Lane:
         sim, decode, batch = self.sim, self.decode, self.run.batch
         now = sim.loop.now
         self.is_busy = False
+        sim.rec.num_prefill_batches += 1
         batch.time_s = now  # the batch stood still meanwhile
         for rid in rids:
             decode.promised_tokens -= sim.held[rid]

@@ -68,6 +68,9 @@ class SimResult:
     is_stopped_early: bool  # the trial ended once the SLO target was out of reach
     duration_s: float  # simulated time until the last event
     num_preemptions: int = 0  # decode requests preempted for lack of KV (recomputed)
+    # prefill iterations run: prefill batches, and the prefills of preempted requests
+    # (what the engine's instances log as "prefill" iterations, to set beside them)
+    num_prefill_batches: int = 0
 
     def attainment(self, slo: SLO) -> float:
         """Share of requests meeting the SLOs under slo.rule (unfinished ones fail)."""
@@ -106,6 +109,7 @@ class Recorder:
         self._tpot_failed = 0
         self._ttft_ok = [True] * n
         self.num_preemptions = 0  # the simulators count here
+        self.num_prefill_batches = 0
 
     def first_token(self, rid: int, time_s: float) -> None:
         """Request rid produced its first token at time_s."""
@@ -144,4 +148,5 @@ class Recorder:
             self._loop.is_stopped,
             self._loop.now,
             self.num_preemptions,
+            self.num_prefill_batches,
         )
