@@ -347,6 +347,7 @@ class _Lane:
         if self.recomputing:
             rids, self.recomputing = self.recomputing, []
             self.is_busy = True
+            sim.rec.num_prefill_batches += 1
             seconds = decode.inst.timer.prefill_iteration_s(tuple(sim.held[r] for r in rids))
             sim.loop.at(now + seconds, self._recomputed, rids)
         elif batch.size:
@@ -357,7 +358,6 @@ class _Lane:
         sim, decode, batch = self.sim, self.decode, self.run.batch
         now = sim.loop.now
         self.is_busy = False
-        sim.rec.num_prefill_batches += 1
         batch.time_s = now  # the batch stood still meanwhile
         for rid in rids:
             decode.promised_tokens -= sim.held[rid]
