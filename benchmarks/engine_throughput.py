@@ -168,7 +168,7 @@ def main() -> None:
     runner = engine_runner(args.dtype)
     model = hf_model(runner, runner.dtype)
     plain = torch_paths_runner(args.dtype) if args.torch_paths else None
-    linears = layer_linears(runner)
+    linears, at_batch_rows = layer_linears(runner), sampled_rows_only(runner)
     weight_bytes = runner.model.weight_bytes_read()
     kernels = (" ".join(native.cpu_flags()) or "generic") if native.packed_linear() else "none"
     print(f"# SmolLM2-135M {args.dtype} CPU ({cpu_model()}, C kernels: {kernels}), torch "
@@ -194,7 +194,7 @@ def main() -> None:
             head = runner.model.lm_head
             g_prefill, g_decode = (
                 gemm_rate(linears, head, batch * args.prompt_len, batch, runner.dtype,
-                          sampled_rows_only(runner)),
+                          at_batch_rows),
                 gemm_rate(linears, head, batch, batch, runner.dtype))
             mem = copy_bandwidth() / weight_bytes
             (e_prefill, e_decode), (h_prefill, h_decode) = timed["engine"], timed["transformers"]

@@ -125,12 +125,12 @@ class LlamaForCausalLM(CausalLM):
         or (len(rows), hidden) (see `CausalLM.forward`)."""
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x.clone()
         rope = self.rotary.table(meta.positions, hidden.dtype)  # once per step, not per layer
-        if rows is None and self._decode_in_c(hidden, meta, kv_cache, rope):
+        if self._decode_in_c(hidden, meta, kv_cache, rope):  # never a prefill: rows is None
             return hidden
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, meta, rope, *kv_cache.layer(i), rows if i == last else None)
-        return hidden if rows is None or self.layers else hidden[rows]
+        return hidden  # every stage has a layer (`check_parallel_fits`)
 
     def _decode_in_c(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
                      rope: RopeTable) -> bool:

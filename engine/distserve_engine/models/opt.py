@@ -92,7 +92,7 @@ class OPTForCausalLM(CausalLM):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(x, meta, *kv_cache.layer(i), rows if i == last else None)
-        return x if rows is None or self.layers else x[rows]
+        return x  # every stage has a layer (`check_parallel_fits`)
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final LayerNorm and projection; (B, hidden) -> (B, word_embed_proj_dim)."""

@@ -47,9 +47,10 @@ def progress_bar(total: int, started_s: float) -> Callable[[int], None]:
     """A one-line progress bar on stderr; where stderr is no terminal (a log), a line at
     each quarter of the requests instead of a redrawn bar."""
     quarters = {total * k // 4 for k in range(1, 5)}
+    is_terminal = sys.stderr.isatty()
 
     def show(done: int) -> None:
-        if not sys.stderr.isatty():
+        if not is_terminal:
             if done in quarters:
                 elapsed = time.monotonic() - started_s
                 sys.stderr.write(f"  {done}/{total} requests  {elapsed:5.1f} s\n")
