@@ -174,8 +174,8 @@ class ModelRunner:
         # alone (`CausalLM.forward`): 3% of a 64-token prompt's GEMM work at SmolLM2's 30 layers
         rows = (meta.logits_index if state.is_last_stage and forward is None
                 and len(input_ids) > len(seqs) else None)
-        hidden = (self.model(x, meta, self.kv_cache, rows) if rows is not None
-                  else (forward or self.model)(x, meta, self.kv_cache))  # (T or B, hidden)
+        hidden = (self.model(x, meta, self.kv_cache, rows) if forward is None
+                  else forward(x, meta, self.kv_cache))  # (T, hidden), or (B, hidden) with rows
         token_ids = [0] * len(seqs)
         if state.is_last_stage:
             sampled = hidden if rows is not None else hidden[meta.logits_index]  # (B, hidden)
