@@ -11,7 +11,7 @@ calls through ctypes, which make no operator events: the packed linears, decode
 attention, RMSNorm; a Llama decode step's layers, all in one call) goes to its label;
 "python + alloc" is the step's wall time under the profiler less all of that.
 
-    python benchmarks/engine_profile.py [--threads 1] [--steps 4] [--top 12]
+    python benchmarks/engine_profile.py [--threads 1] [--steps 4] [--top 12] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -153,11 +153,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--only", choices=["decode", "prefill"], help="profile one kind of step")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for entry in LABELLED:
         _wrap(*entry)
-    runner = engine_runner("float32")
+    runner = engine_runner(args.dtype)
     cases = []
     if args.only != "prefill":
         cases += [(f"decode batch={b} ctx~64", *decode_case(runner, b, 64, args.steps)) for b in (1, 8, 32)]

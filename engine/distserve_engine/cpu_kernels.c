@@ -1,4 +1,5 @@
-/* The CPU engine's C kernels, float32 (loaded by native.py):
+/* The CPU engine's C kernels, float32, and bfloat16 for RMSNorm, SwiGLU and rotary
+ * (loaded by native.py):
  *
  * paged_decode_f32: decode attention over the paged KV cache, one new token per
  * sequence, each query head attending its sequence's whole context, read in place
@@ -321,6 +322,41 @@ void rms_norm_f32(const float *x, int64_t row_stride, const float *weight, float
     }
 }
 
+/* bfloat16 is a float32's upper half: widened by a shift, narrowed rounding to nearest
+ * even as torch rounds (a NaN stays a quiet NaN). The `_bf16` kernels below read and
+ * write bfloat16 and compute in float32, rounding once where torch's bfloat16 operators
+ * round after each step. */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* RMSNorm, bfloat16 in and out (weight too), as rms_norm_f32 computes it. */
+void rms_norm_bf16(const uint16_t *x, int64_t row_stride, const uint16_t *weight, uint16_t *out,
+                   int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *row = x + r * row_stride;
+        float squares = 0.f;
+        for (int64_t d = 0; d < dim; ++d) {
+            const float v = bf16_to_f32(row[d]);
+            squares += v * v;
+        }
+        const float inverse = (float)(1.0 / sqrt((double)squares / (double)dim + (double)eps));
+        uint16_t *o = out + r * dim;
+        for (int64_t d = 0; d < dim; ++d)
+            o[d] = f32_to_bf16(bf16_to_f32(row[d]) * inverse * bf16_to_f32(weight[d]));
+    }
+}
+
 #define PANEL 16   /* output features per packed panel: two vectors of 8 floats */
 #define MAX_ROWS 6 /* rows of x per block: 6 x 2 accumulators + 2 panel vectors + 1 broadcast */
 
@@ -600,6 +636,35 @@ void swiglu_f32(float *x, int64_t row_stride, int64_t rows, int64_t width, int c
         swiglu_row(x + r * row_stride, x + r * row_stride + width, x + r * row_stride, width);
 }
 
+/* SwiGLU in place, bfloat16: as swiglu_f32, each row's gate and up widened to float32
+ * first (MAX_BF16_WIDTH features at most: wider returns -1 and torch's operators run). */
+#define MAX_BF16_WIDTH 16384
+
+static void swiglu_row_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out,
+                            int64_t width) {
+    float g[MAX_BF16_WIDTH], u[MAX_BF16_WIDTH];
+    for (int64_t j = 0; j < width; ++j) {
+        g[j] = bf16_to_f32(gate[j]);
+        u[j] = bf16_to_f32(up[j]);
+    }
+    swiglu_row(g, u, g, width);
+    for (int64_t j = 0; j < width; ++j) out[j] = f32_to_bf16(g[j]);
+}
+
+int swiglu_bf16(uint16_t *x, int64_t row_stride, int64_t rows, int64_t width, int compact,
+                int num_threads) {
+    if (width > MAX_BF16_WIDTH) return -1;
+    if (compact) {
+        for (int64_t r = 0; r < rows; ++r)
+            swiglu_row_bf16(x + r * row_stride, x + r * row_stride + width, x + r * width, width);
+        return 0;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (int64_t r = 0; r < rows; ++r)
+        swiglu_row_bf16(x + r * row_stride, x + r * row_stride + width, x + r * row_stride, width);
+    return 0;
+}
+
 /* Rotary positions in place, float32, HF's half-split form as the torch path computes
  * it: x = (x1, x2) halves of each head, x' = x * cos + (x2, x1) * sin_signed. Row r
  * (a token) holds `heads` heads of head_dim floats at x + r * row_stride; cos and
@@ -617,6 +682,24 @@ void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64
                 const float a = x1[d], b = x2[d];
                 x1[d] = a * c[d] + b * s[d];
                 x2[d] = b * c[half + d] + a * s[half + d];
+            }
+        }
+    }
+}
+
+/* Rotary positions in place, bfloat16 (x, cos and sin_signed): as rotary_f32. */
+void rotary_bf16(uint16_t *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
+                 const uint16_t *cos, const uint16_t *sin_signed, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *c = cos + r * head_dim, *s = sin_signed + r * head_dim;
+        for (int64_t h = 0; h < heads; ++h) {
+            uint16_t *x1 = x + r * row_stride + h * head_dim, *x2 = x1 + half;
+            for (int64_t d = 0; d < half; ++d) {
+                const float a = bf16_to_f32(x1[d]), b = bf16_to_f32(x2[d]);
+                x1[d] = f32_to_bf16(a * bf16_to_f32(c[d]) + b * bf16_to_f32(s[d]));
+                x2[d] = f32_to_bf16(b * bf16_to_f32(c[half + d]) + a * bf16_to_f32(s[half + d]));
             }
         }
     }

@@ -155,6 +155,11 @@ def rms_norm():
     return _kernel("rms_norm_f32")
 
 
+def rms_norm_bf16():
+    """The C RMSNorm of bfloat16 rows (and weight), or None (as `rms_norm`)."""
+    return _kernel("rms_norm_bf16")
+
+
 def prefill_attention():
     """The C causal attention of a prefill over its own new tokens (head_dim a multiple
     of 8), or None (as `pack_linear`)."""
@@ -177,6 +182,18 @@ def rotary():
     """The C in-place rotary rotation of q's and k's heads, or None where the kernels
     cannot be built or loaded here."""
     return _kernel("rotary_f32")
+
+
+def swiglu_bf16():
+    """The C in-place SwiGLU of a bfloat16 gate_up product (-1 where a row is wider than
+    it takes), or None (as `swiglu`)."""
+    return _kernel("swiglu_bf16")
+
+
+def rotary_bf16():
+    """The C in-place rotary rotation of bfloat16 heads with a bfloat16 table, or None (as
+    `rotary`)."""
+    return _kernel("rotary_bf16")
 
 
 def _kernel(name: str, needs_avx2: bool = False):
@@ -252,6 +269,12 @@ def load_library(path: Path):
     library.swiglu_f32.restype = None
     library.rotary_f32.argtypes = [pointer, size, size, size, size, pointer, pointer, ctypes.c_int]
     library.rotary_f32.restype = None
+    library.rms_norm_bf16.argtypes = library.rms_norm_f32.argtypes
+    library.rms_norm_bf16.restype = None
+    library.swiglu_bf16.argtypes = library.swiglu_f32.argtypes
+    library.swiglu_bf16.restype = ctypes.c_int
+    library.rotary_bf16.argtypes = library.rotary_f32.argtypes
+    library.rotary_bf16.restype = None
     return library
 
 

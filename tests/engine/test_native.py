@@ -129,6 +129,46 @@ def test_rotary_in_c_matches_the_torch_rotation_and_leaves_v_alone(monkeypatch):
     assert torch.equal(qkv[:, 12 * 64:], v)
 
 
+@needs_compiler
+def test_bf16_rms_norm_swiglu_and_rotary_in_c_round_once_what_float32_computes(monkeypatch):
+    """bfloat16 in and out, float32 inside: each kernel's output is the float32 torch
+    path's on the same bfloat16 inputs, rounded once to bfloat16 (within that rounding's
+    last bit: the sums run in another order)."""
+    one_rounding = {"atol": 0, "rtol": 2**-7}
+    bf16 = torch.bfloat16
+    torch.manual_seed(5)
+    norm = RMSNorm(576, 1e-5).to(bf16)
+    norm.weight.data.normal_()
+    fused = (torch.randn(7, 3 * 576) * 4).to(bf16)
+    config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 10,
+                                  "hidden_size": 64, "num_hidden_layers": 1,
+                                  "num_attention_heads": 4, "intermediate_size": 44})
+    mlp = LlamaMLP(config, ParallelState()).to(bf16)
+    for module in (mlp.gate_up_proj, mlp.down_proj):
+        module.weight.data.normal_(0, 0.5)
+    x = (torch.randn(9, 64) * 3).to(bf16)
+    rotary = RotaryEmbedding(64, 4096, 10000.0, None)
+    positions = torch.tensor([0, 1, 2, 4000, 7, 3])
+    table = rotary.table(positions, bf16)
+    qk = torch.randn(6, 12, 64).to(bf16)
+    calls = {name: spy_on_kernel(monkeypatch, name)[1]
+             for name in ("rms_norm_bf16", "swiglu_bf16", "rotary_bf16")}
+
+    for rows in (fused[:, 576:1152], fused[:, :576].contiguous()):  # a strided view, and rows
+        torch.testing.assert_close(norm(rows), F.rms_norm(
+            rows.float(), (576,), norm.weight.float(), 1e-5).to(bf16), **one_rounding)
+    gate, up = F.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
+    expected = F.linear((F.silu(gate.float()) * up.float()).to(bf16), mlp.down_proj.weight)
+    torch.testing.assert_close(mlp(x), expected)
+    rotated = qk.float()
+    with native.torch_paths_only():
+        RotaryEmbedding.rotate_(rotated, tuple(t.float() for t in table))
+    RotaryEmbedding.rotate_(qk, table)
+    torch.testing.assert_close(qk, rotated.to(bf16), **one_rounding)
+    assert {name: len(c) for name, c in calls.items()} == {
+        "rms_norm_bf16": 2, "swiglu_bf16": 1, "rotary_bf16": 1}
+
+
 def _loaded_linear(out_features: int, in_features: int, bias: bool, seed: int):
     """A float32 linear with random weights, laid out for the CPU as the loader leaves it,
     and the plain weight and bias to check it against."""
