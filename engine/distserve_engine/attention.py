@@ -120,10 +120,16 @@ def paged_attention(
     if meta.is_context_new:
         return _attend_new(q, k, v, meta, scale)
     if meta.num_queries == 1 and not q.is_cuda:
-        is_native = q.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
-        kernel = native.paged_decode() if is_native else None
+        kernel = None
+        if k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype:
+            if q.dtype == torch.float32:
+                kernel = native.paged_decode()
+            elif q.dtype == torch.bfloat16:
+                kernel = native.paged_decode_bf16()
         if kernel is not None:
-            return _decode_native(kernel, q, k_cache, v_cache, meta, scale)
+            out = _decode_native(kernel, q, k_cache, v_cache, meta, scale)
+            if out is not None:
+                return out
         return _decode_cpu(q, k_cache, v_cache, meta, scale)
     if meta.num_queries == 1 and flash_paged.can_use(q, k_cache):
         return flash_paged.decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
@@ -199,7 +205,8 @@ def _attend_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def _decode_native(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One new token per sequence, float32, by the C kernel over the paged cache."""
+    """One new token per sequence, float32 or bfloat16, by the C kernel over the paged
+    cache; None where the kernel does not take this head size (bfloat16's over 512)."""
     batch, num_heads, head_dim = q.shape
     q = q.contiguous()  # q is a view of the fused qkv projection
     tables, lens = meta.block_tables, meta.context_lens  # int64, contiguous (build_metadata)
@@ -207,6 +214,8 @@ def _decode_native(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     status = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                     lens.data_ptr(), batch, tables.shape[1], k_cache.shape[1], num_heads,
                     k_cache.shape[2], head_dim, scale, out.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        return None
     if status != 0:
         raise MemoryError(f"paged decode attention: no scratch memory for {batch} sequences")
     return out

@@ -1,5 +1,5 @@
-/* The CPU engine's C kernels, float32, and bfloat16 for RMSNorm, SwiGLU and rotary
- * (loaded by native.py):
+/* The CPU engine's C kernels, float32, and bfloat16 for RMSNorm, SwiGLU, rotary and
+ * paged decode attention (loaded by native.py):
  *
  * paged_decode_f32: decode attention over the paged KV cache, one new token per
  * sequence, each query head attending its sequence's whole context, read in place
@@ -338,6 +338,93 @@ static inline uint16_t f32_to_bf16(float f) {
     memcpy(&u, &f, sizeof u);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* paged_decode_bf16: paged_decode_f32's attention for bfloat16 q, caches and out, in
+ * float32 inside (attend_one's loops, each key and value row widened as it is read);
+ * MAX_BF16_HEAD_DIM floats a head at most, else -1 and torch's path runs. */
+#define MAX_BF16_HEAD_DIM 512
+
+static void attend_one_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int64_t *table, int64_t len, int64_t block_size,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t dim, float scale,
+                            uint16_t *out, float *scores, float *acc, float *qf) {
+    const int64_t group = num_heads / num_kv_heads;
+    float row[MAX_BF16_HEAD_DIM];
+    for (int64_t i = 0; i < num_heads * dim; ++i) qf[i] = bf16_to_f32(q[i]);
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        for (int64_t t = 0; t < len; ++t) {
+            const int64_t slot = table[t / block_size] * block_size + t % block_size;
+            const uint16_t *k = k_cache + (slot * num_kv_heads + kv_head) * dim;
+            for (int64_t d = 0; d < dim; ++d) row[d] = bf16_to_f32(k[d]);
+            for (int64_t g = 0; g < group; ++g) {
+                const float *qg = qf + (kv_head * group + g) * dim;
+                float dot = 0.f;
+                for (int64_t d = 0; d < dim; ++d) dot += qg[d] * row[d];
+                scores[g * len + t] = dot * scale;
+            }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+            float *s = scores + g * len, top = -FLT_MAX, total = 0.f;
+            for (int64_t t = 0; t < len; ++t) top = s[t] > top ? s[t] : top;
+            for (int64_t t = 0; t < len; ++t) {
+                const float shifted = s[t] - top;  /* below e^-60 of the largest: 0 */
+                s[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
+                total += s[t];
+            }
+            const float inverse = 1.f / total;
+            for (int64_t t = 0; t < len; ++t) s[t] *= inverse;
+            for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] = 0.f;
+        }
+        for (int64_t t = 0; t < len; ++t) {
+            const int64_t slot = table[t / block_size] * block_size + t % block_size;
+            const uint16_t *v = v_cache + (slot * num_kv_heads + kv_head) * dim;
+            for (int64_t d = 0; d < dim; ++d) row[d] = bf16_to_f32(v[d]);
+            for (int64_t g = 0; g < group; ++g) {
+                const float p = scores[g * len + t];
+                float *o = acc + g * dim;
+                for (int64_t d = 0; d < dim; ++d) o[d] += p * row[d];
+            }
+        }
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t d = 0; d < dim; ++d)
+                out[(kv_head * group + g) * dim + d] = f32_to_bf16(acc[g * dim + d]);
+    }
+}
+
+/* Returns 0, -1 when scratch memory could not be allocated (out is then partial), -2
+ * when head_dim is over MAX_BF16_HEAD_DIM (nothing written). */
+int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                      const int64_t *tables, const int64_t *context_lens, int64_t batch,
+                      int64_t max_blocks, int64_t block_size, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, float scale, uint16_t *out,
+                      int num_threads) {
+    if (head_dim > MAX_BF16_HEAD_DIM) return -2;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < batch; ++b) longest = context_lens[b] > longest ? context_lens[b] : longest;
+    const int64_t group = num_heads / num_kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group * (longest > 0 ? longest : 1)));
+        float *acc = malloc(sizeof(float) * (size_t)(group * head_dim));
+        float *qf = malloc(sizeof(float) * (size_t)(num_heads * head_dim));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < batch; ++b) {
+            if (scores == NULL || acc == NULL || qf == NULL) {
+                failed = 1;
+                continue;
+            }
+            attend_one_bf16(q + b * num_heads * head_dim, k_cache, v_cache,
+                            tables + b * max_blocks, context_lens[b], block_size, num_heads,
+                            num_kv_heads, head_dim, scale, out + b * num_heads * head_dim,
+                            scores, acc, qf);
+        }
+        free(scores);
+        free(acc);
+        free(qf);
+    }
+    return failed ? -1 : 0;
 }
 
 /* RMSNorm, bfloat16 in and out (weight too), as rms_norm_f32 computes it. */

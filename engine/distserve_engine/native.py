@@ -133,6 +133,11 @@ def paged_decode():
     return _kernel("paged_decode_f32")
 
 
+def paged_decode_bf16():
+    """The C decode attention for bfloat16 q and caches, or None (as `paged_decode`)."""
+    return _kernel("paged_decode_bf16")
+
+
 def pack_linear():
     """The C function that packs a float32 (out, in) weight for `packed_linear`, or None
     where the kernels cannot be built or loaded here or this CPU lacks AVX2 and FMA."""
@@ -269,6 +274,8 @@ def load_library(path: Path):
     library.swiglu_f32.restype = None
     library.rotary_f32.argtypes = [pointer, size, size, size, size, pointer, pointer, ctypes.c_int]
     library.rotary_f32.restype = None
+    library.paged_decode_bf16.argtypes = library.paged_decode_f32.argtypes
+    library.paged_decode_bf16.restype = ctypes.c_int
     library.rms_norm_bf16.argtypes = library.rms_norm_f32.argtypes
     library.rms_norm_bf16.restype = None
     library.swiglu_bf16.argtypes = library.swiglu_f32.argtypes

@@ -264,31 +264,47 @@ def test_prefill_attention_in_c_matches_sdpa(lens, num_heads, num_kv_heads, head
     (9, 3, 64),  # SmolLM2's heads: 16-float vectors where the build is AVX-512's
     (4, 2, 24),  # a multiple of 8, not of 16: 8-float vectors on every x86 build
 ])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_in_c_matches_attention_over_each_sequences_blocks(
-        num_heads, num_kv_heads, head_dim, kernel_build):
+        num_heads, num_kv_heads, head_dim, dtype, kernel_build):
     torch.manual_seed(head_dim)
     block_size, num_blocks, lens = 16, 40, [1, 37, 100, 16]
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
     max_blocks = -(-max(lens) // block_size)
     tables = torch.randperm(num_blocks)[: len(lens) * max_blocks].view(len(lens), max_blocks)
-    q = torch.randn(len(lens), num_heads, head_dim)
-    out = torch.empty(len(lens), num_heads, head_dim)
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
+    out = torch.empty(len(lens), num_heads, head_dim, dtype=dtype)
     scale = head_dim**-0.5
     tables, context_lens = tables.contiguous(), torch.tensor(lens)  # alive through the call
-    assert native.paged_decode()(
+    kernel = native.paged_decode() if dtype == torch.float32 else native.paged_decode_bf16()
+    assert kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         context_lens.data_ptr(), len(lens), max_blocks, block_size, num_heads,
         num_kv_heads, head_dim, scale, out.data_ptr(), 1) == 0
     group = num_heads // num_kv_heads
+    # bfloat16: float32 inside, so the float32 result on the same inputs, rounded once
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2**-9, "rtol": 2**-7}
     for b, n in enumerate(lens):
         rows = torch.tensor([int(tables[b, t // block_size]) * block_size + t % block_size
                              for t in range(n)])
-        keys = k_cache.view(-1, num_kv_heads, head_dim)[rows].repeat_interleave(group, 1)
-        values = v_cache.view(-1, num_kv_heads, head_dim)[rows].repeat_interleave(group, 1)
-        weights = (torch.einsum("hd,khd->hk", q[b], keys) * scale).softmax(-1)
-        torch.testing.assert_close(out[b], torch.einsum("hk,khd->hd", weights, values),
-                                   atol=1e-5, rtol=1e-5)
+        keys = k_cache.float().view(-1, num_kv_heads, head_dim)[rows].repeat_interleave(group, 1)
+        values = v_cache.float().view(-1, num_kv_heads, head_dim)[rows].repeat_interleave(group, 1)
+        weights = (torch.einsum("hd,khd->hk", q[b].float(), keys) * scale).softmax(-1)
+        expected = torch.einsum("hk,khd->hd", weights, values).to(dtype)
+        torch.testing.assert_close(out[b], expected, **tolerance)
+
+
+@needs_compiler
+def test_bf16_decode_attention_runs_in_c_and_agrees_with_the_torch_path(monkeypatch):
+    q, k, v, k_cache, v_cache, meta, _ = make_batch([5, 2, 9], [1, 1, 1], seed=4)
+    q, k, v, k_cache, v_cache = (t.to(torch.bfloat16) for t in (q, k, v, k_cache, v_cache))
+    with native.torch_paths_only():
+        expected = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, HEAD_DIM**-0.5)
+    _, calls = spy_on_kernel(monkeypatch, "paged_decode_bf16")
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    assert len(calls) == 1
+    torch.testing.assert_close(out, expected, atol=2**-8, rtol=2**-6)  # a rounding or two apart
 
 
 @needs_compiler
