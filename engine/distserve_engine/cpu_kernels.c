@@ -64,6 +64,21 @@ static const float *token_row(const float *cache, const int64_t *table, int64_t 
     return cache + (slot * c->num_kv_heads + kv_head) * c->head_dim;
 }
 
+/* A row of scores made its softmax weights. A weight below e^-60 of the largest is taken
+ * as 0: a smaller one would make subnormal products in the sum over values, each ~100x
+ * slower. */
+static void softmax_in_place(float *row, int64_t len) {
+    float top = -FLT_MAX, total = 0.f;
+    for (int64_t t = 0; t < len; ++t) top = row[t] > top ? row[t] : top;
+    for (int64_t t = 0; t < len; ++t) {
+        const float shifted = row[t] - top;
+        row[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
+        total += row[t];
+    }
+    const float inverse = 1.f / total;
+    for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
+}
+
 /* One sequence: out (num_heads, head_dim) from q (num_heads, head_dim); scores is
  * scratch for (group, len) floats. */
 static void attend_one(const float *q, const int64_t *table, int64_t len, const Cache *c,
@@ -82,17 +97,7 @@ static void attend_one(const float *q, const int64_t *table, int64_t len, const 
             }
         }
         for (int64_t g = 0; g < group; ++g) {
-            float *row = scores + g * len, top = -FLT_MAX, total = 0.f;
-            for (int64_t t = 0; t < len; ++t) top = row[t] > top ? row[t] : top;
-            for (int64_t t = 0; t < len; ++t) {
-                /* A weight below e^-60 of the largest is taken as 0: a smaller one would
-                 * make subnormal products in the sum over values, each ~100x slower. */
-                const float shifted = row[t] - top;
-                row[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
-                total += row[t];
-            }
-            const float inverse = 1.f / total;
-            for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
+            softmax_in_place(scores + g * len, len);
             for (int64_t d = 0; d < dim; ++d) o_group[g * dim + d] = 0.f;
         }
         for (int64_t t = 0; t < len; ++t) {
@@ -308,20 +313,6 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
     return failed ? -1 : 0;
 }
 
-/* RMSNorm, float32: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, the sum of
- * squares accumulated in double. x rows are row_stride floats apart; out is contiguous. */
-void rms_norm_f32(const float *x, int64_t row_stride, const float *weight, float *out,
-                  int64_t rows, int64_t dim, float eps) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *row = x + r * row_stride;
-        double squares = 0.0;
-        for (int64_t d = 0; d < dim; ++d) squares += (double)row[d] * row[d];
-        const float inverse = (float)(1.0 / sqrt(squares / (double)dim + (double)eps));
-        float *o = out + r * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = row[d] * inverse * weight[d];
-    }
-}
-
 /* bfloat16 is a float32's upper half: widened by a shift, narrowed rounding to nearest
  * even as torch rounds (a NaN stays a quiet NaN). The `_bf16` kernels below read and
  * write bfloat16 and compute in float32, rounding once where torch's bfloat16 operators
@@ -340,9 +331,32 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* RMSNorm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, the sum of squares
+ * accumulated in double; rms_norm_f32 for float32 rows and weight, rms_norm_bf16 for
+ * bfloat16 ones (float32 inside, each result rounded once). x rows are row_stride
+ * elements apart; out is contiguous. */
+#define DEFINE_RMS_NORM(NAME, T, WIDEN, NARROW)                                               \
+    void NAME(const T *x, int64_t row_stride, const T *weight, T *out, int64_t rows,          \
+              int64_t dim, float eps) {                                                        \
+        for (int64_t r = 0; r < rows; ++r) {                                                   \
+            const T *row = x + r * row_stride;                                                 \
+            double squares = 0.0;                                                              \
+            for (int64_t d = 0; d < dim; ++d)                                                  \
+                squares += (double)WIDEN(row[d]) * WIDEN(row[d]);                              \
+            const float inverse = (float)(1.0 / sqrt(squares / (double)dim + (double)eps));    \
+            T *o = out + r * dim;                                                              \
+            for (int64_t d = 0; d < dim; ++d)                                                  \
+                o[d] = NARROW(WIDEN(row[d]) * inverse * WIDEN(weight[d]));                     \
+        }                                                                                      \
+    }
+
+static inline float as_float(float x) { return x; }
+DEFINE_RMS_NORM(rms_norm_f32, float, as_float, as_float)
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
 /* paged_decode_bf16: paged_decode_f32's attention for bfloat16 q, caches and out, in
  * float32 inside (attend_one's loops, each key and value row widened as it is read);
- * MAX_BF16_HEAD_DIM floats a head at most, else -1 and torch's path runs. */
+ * MAX_BF16_HEAD_DIM floats a head at most, else -2 and torch's path runs. */
 #define MAX_BF16_HEAD_DIM 512
 
 static void attend_one_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -365,15 +379,7 @@ static void attend_one_bf16(const uint16_t *q, const uint16_t *k_cache, const ui
             }
         }
         for (int64_t g = 0; g < group; ++g) {
-            float *s = scores + g * len, top = -FLT_MAX, total = 0.f;
-            for (int64_t t = 0; t < len; ++t) top = s[t] > top ? s[t] : top;
-            for (int64_t t = 0; t < len; ++t) {
-                const float shifted = s[t] - top;  /* below e^-60 of the largest: 0 */
-                s[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
-                total += s[t];
-            }
-            const float inverse = 1.f / total;
-            for (int64_t t = 0; t < len; ++t) s[t] *= inverse;
+            softmax_in_place(scores + g * len, len);
             for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] = 0.f;
         }
         for (int64_t t = 0; t < len; ++t) {
@@ -425,23 +431,6 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
         free(qf);
     }
     return failed ? -1 : 0;
-}
-
-/* RMSNorm, bfloat16 in and out (weight too), as rms_norm_f32 computes it. */
-void rms_norm_bf16(const uint16_t *x, int64_t row_stride, const uint16_t *weight, uint16_t *out,
-                   int64_t rows, int64_t dim, float eps) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t *row = x + r * row_stride;
-        float squares = 0.f;
-        for (int64_t d = 0; d < dim; ++d) {
-            const float v = bf16_to_f32(row[d]);
-            squares += v * v;
-        }
-        const float inverse = (float)(1.0 / sqrt((double)squares / (double)dim + (double)eps));
-        uint16_t *o = out + r * dim;
-        for (int64_t d = 0; d < dim; ++d)
-            o[d] = f32_to_bf16(bf16_to_f32(row[d]) * inverse * bf16_to_f32(weight[d]));
-    }
 }
 
 #define PANEL 16   /* output features per packed panel: two vectors of 8 floats */
@@ -752,45 +741,32 @@ int swiglu_bf16(uint16_t *x, int64_t row_stride, int64_t rows, int64_t width, in
     return 0;
 }
 
-/* Rotary positions in place, float32, HF's half-split form as the torch path computes
- * it: x = (x1, x2) halves of each head, x' = x * cos + (x2, x1) * sin_signed. Row r
- * (a token) holds `heads` heads of head_dim floats at x + r * row_stride; cos and
- * sin_signed hold the token's (head_dim) row each, contiguous: cos repeats its half, sin
- * is negated in its first half (`RotaryEmbedding.table`). */
-void rotary_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
-                const float *cos, const float *sin_signed, int num_threads) {
-    const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *c = cos + r * head_dim, *s = sin_signed + r * head_dim;
-        for (int64_t h = 0; h < heads; ++h) {
-            float *x1 = x + r * row_stride + h * head_dim, *x2 = x1 + half;
-            for (int64_t d = 0; d < half; ++d) {
-                const float a = x1[d], b = x2[d];
-                x1[d] = a * c[d] + b * s[d];
-                x2[d] = b * c[half + d] + a * s[half + d];
-            }
-        }
+/* Rotary positions in place, HF's half-split form as the torch path computes it: x =
+ * (x1, x2) halves of each head, x' = x * cos + (x2, x1) * sin_signed. Row r (a token)
+ * holds `heads` heads of head_dim elements at x + r * row_stride; cos and sin_signed hold
+ * the token's (head_dim) row each, contiguous: cos repeats its half, sin is negated in
+ * its first half (`RotaryEmbedding.table`). rotary_f32 for float32 x and table,
+ * rotary_bf16 for bfloat16 ones (float32 inside, each result rounded once). */
+#define DEFINE_ROTARY(NAME, T, WIDEN, NARROW)                                                  \
+    void NAME(T *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,         \
+              const T *cos, const T *sin_signed, int num_threads) {                            \
+        const int64_t half = head_dim / 2;                                                     \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)") \
+        for (int64_t r = 0; r < rows; ++r) {                                                   \
+            const T *c = cos + r * head_dim, *s = sin_signed + r * head_dim;                   \
+            for (int64_t h = 0; h < heads; ++h) {                                              \
+                T *x1 = x + r * row_stride + h * head_dim, *x2 = x1 + half;                    \
+                for (int64_t d = 0; d < half; ++d) {                                           \
+                    const float a = WIDEN(x1[d]), b = WIDEN(x2[d]);                            \
+                    x1[d] = NARROW(a * WIDEN(c[d]) + b * WIDEN(s[d]));                         \
+                    x2[d] = NARROW(b * WIDEN(c[half + d]) + a * WIDEN(s[half + d]));           \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
     }
-}
 
-/* Rotary positions in place, bfloat16 (x, cos and sin_signed): as rotary_f32. */
-void rotary_bf16(uint16_t *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
-                 const uint16_t *cos, const uint16_t *sin_signed, int num_threads) {
-    const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1)
-    for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t *c = cos + r * head_dim, *s = sin_signed + r * head_dim;
-        for (int64_t h = 0; h < heads; ++h) {
-            uint16_t *x1 = x + r * row_stride + h * head_dim, *x2 = x1 + half;
-            for (int64_t d = 0; d < half; ++d) {
-                const float a = bf16_to_f32(x1[d]), b = bf16_to_f32(x2[d]);
-                x1[d] = f32_to_bf16(a * bf16_to_f32(c[d]) + b * bf16_to_f32(s[d]));
-                x2[d] = f32_to_bf16(b * bf16_to_f32(c[half + d]) + a * bf16_to_f32(s[half + d]));
-            }
-        }
-    }
-}
+DEFINE_ROTARY(rotary_f32, float, as_float, as_float)
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 
 /* prefill_attention_f32: causal attention over a prefill's own new tokens (no cached
  * prefix), sequences side by side without padding: sequence b holds lens[b] rows of q, k

@@ -263,6 +263,7 @@ def test_prefill_attention_in_c_matches_sdpa(lens, num_heads, num_kv_heads, head
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [
     (9, 3, 64),  # SmolLM2's heads: 16-float vectors where the build is AVX-512's
     (4, 2, 24),  # a multiple of 8, not of 16: 8-float vectors on every x86 build
+    (3, 1, 20),  # not a multiple of 8: the scalar loops
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_in_c_matches_attention_over_each_sequences_blocks(
