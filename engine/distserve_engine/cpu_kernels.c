@@ -64,20 +64,7 @@ static const float *token_row(const float *cache, const int64_t *table, int64_t 
     return cache + (slot * c->num_kv_heads + kv_head) * c->head_dim;
 }
 
-/* A row of scores made its softmax weights. A weight below e^-60 of the largest is taken
- * as 0: a smaller one would make subnormal products in the sum over values, each ~100x
- * slower. */
-static void softmax_in_place(float *row, int64_t len) {
-    float top = -FLT_MAX, total = 0.f;
-    for (int64_t t = 0; t < len; ++t) top = row[t] > top ? row[t] : top;
-    for (int64_t t = 0; t < len; ++t) {
-        const float shifted = row[t] - top;
-        row[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
-        total += row[t];
-    }
-    const float inverse = 1.f / total;
-    for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
-}
+static void softmax_in_place(float *row, int64_t len);
 
 /* One sequence: out (num_heads, head_dim) from q (num_heads, head_dim); scores is
  * scratch for (group, len) floats. */
@@ -271,6 +258,27 @@ DEFINE_EXP_NONPOSITIVE(16)
 DEFINE_SOFTMAX_WEIGHTS(16)
 DEFINE_ATTEND_ONE(16)
 #endif
+
+/* A row of scores made its softmax weights, in the widest vectors the build has. A
+ * weight below e^-60 of the largest is taken as 0: a smaller one would make subnormal
+ * products in the sum over values, each ~100x slower. */
+static void softmax_in_place(float *row, int64_t len) {
+#if defined(__AVX512F__)
+    const float total = softmax_weights16(row, len);
+#elif defined(__AVX2__) && defined(__FMA__)
+    const float total = softmax_weights8(row, len);
+#else
+    float top = -FLT_MAX, total = 0.f;
+    for (int64_t t = 0; t < len; ++t) top = row[t] > top ? row[t] : top;
+    for (int64_t t = 0; t < len; ++t) {
+        const float shifted = row[t] - top;
+        row[t] = shifted < -60.f ? 0.f : exp_nonpositive(shifted);
+        total += row[t];
+    }
+#endif
+    const float inverse = 1.f / total;
+    for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
+}
 
 /* Returns 0, or -1 when scratch memory could not be allocated (out is then partial). */
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
