@@ -101,6 +101,20 @@ def test_a_decode_step_in_one_c_call_is_the_layers_one_by_one_bit_for_bit(tiny_l
     assert torch.equal(fused_runner.last_logits, layered_runner.last_logits)
 
 
+def test_bf16_decode_steps_run_the_c_kernels_and_stay_close_to_transformers(tiny_llama_dir,
+                                                                           monkeypatch):
+    runner, ref = tiny_runner(tiny_llama_dir, dtype="bfloat16"), hf_model(tiny_llama_dir)
+    kernel, calls = spy_on_kernel(monkeypatch, "paged_decode_bf16")
+    if kernel is None:
+        pytest.skip("the CPU engine's C kernels cannot be built here")
+    prompts = make_prompts(runner.model_config.vocab_size, [3, 21], seed=2)
+    seqs = generate(runner, prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert len(calls) == 7 * runner.model_config.num_layers  # each decode step, each layer
+    for row, seq in enumerate(seqs):  # float32 transformers on the tokens bf16 chose
+        expected = hf_logits(ref, seq.token_ids[:-1])[-1]
+        torch.testing.assert_close(runner.last_logits[row].float(), expected, atol=0.5, rtol=0.05)
+
+
 def test_bf16_cpu_close_to_fp32(tiny_llama_dir):
     fp32 = tiny_runner(tiny_llama_dir)
     bf16 = tiny_runner(tiny_llama_dir, dtype="bfloat16")
