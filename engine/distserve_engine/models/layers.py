@@ -185,22 +185,20 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, size) -> (T, size)."""
+        kernel = None
+        if (x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1
+                and self.weight.dtype == x.dtype):
+            if x.dtype == torch.float32:
+                kernel = native.rms_norm()
+            elif x.dtype == torch.bfloat16:
+                kernel = native.rms_norm_bf16()
+        if kernel is not None:
+            out = torch.empty(x.shape, dtype=x.dtype)
+            kernel(x.data_ptr(), x.stride(0), self.weight.data_ptr(), out.data_ptr(),
+                   x.shape[0], x.shape[1], self.eps)
+            return out
         if x.dtype == torch.float32:
-            kernel = native.rms_norm() if x.device.type == "cpu" and x.dim() == 2 else None
-            if kernel is not None and x.stride(-1) == 1:
-                out = torch.empty(x.shape, dtype=x.dtype)
-                kernel(x.data_ptr(), x.stride(0), self.weight.data_ptr(), out.data_ptr(),
-                       x.shape[0], x.shape[1], self.eps)
-                return out
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        if (x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16
-                and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1):
-            kernel = native.rms_norm_bf16()
-            if kernel is not None:
-                out = torch.empty(x.shape, dtype=x.dtype)
-                kernel(x.data_ptr(), x.stride(0), self.weight.data_ptr(), out.data_ptr(),
-                       x.shape[0], x.shape[1], self.eps)
-                return out
         y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
         return y.to(x.dtype)
 
