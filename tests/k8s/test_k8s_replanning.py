@@ -118,6 +118,9 @@ async def test_a_replan_is_recorded_and_reshuffled_to(kmock, monkeypatch):
         assert calls[0] == {"deployment": "opt"}
 
         async def kept_once():
+            # the kubelet goes on: a reshuffle step created after the last round above
+            # would otherwise never serve, and no decision is made while a reshuffle runs
+            await play_kubelet(api, "opt")
             found = await status_of(api, "opt")
             history = (found.get("replanning") or {}).get("history") or []
             return found if len(history) >= 2 else None
