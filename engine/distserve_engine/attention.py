@@ -122,10 +122,7 @@ def paged_attention(
     if meta.num_queries == 1 and not q.is_cuda:
         kernel = None
         if k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype:
-            if q.dtype == torch.float32:
-                kernel = native.paged_decode()
-            elif q.dtype == torch.bfloat16:
-                kernel = native.paged_decode_bf16()
+            kernel = native.for_dtype("paged_decode", q.dtype)
         if kernel is not None:
             out = _decode_native(kernel, q, k_cache, v_cache, meta, scale)
             if out is not None:

@@ -201,6 +201,17 @@ def rotary_bf16():
     return _kernel("rotary_bf16")
 
 
+def for_dtype(accessor: str, dtype: torch.dtype):
+    """The kernel an accessor of this module hands out for tensors of `dtype`: its own for
+    float32, its `_bf16` twin's for bfloat16 (RMSNorm, SwiGLU, rotary, paged decode);
+    None for another dtype, or where the accessor returns None."""
+    if dtype == torch.float32:
+        return globals()[accessor]()
+    if dtype == torch.bfloat16:
+        return globals()[f"{accessor}_bf16"]()
+    return None
+
+
 def _kernel(name: str, needs_avx2: bool = False):
     """The library's function `name`; None where the kernels cannot be built or loaded
     here, or, with needs_avx2, where they were built without AVX2 and FMA."""

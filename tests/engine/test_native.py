@@ -278,8 +278,7 @@ def test_paged_decode_in_c_matches_attention_over_each_sequences_blocks(
     out = torch.empty(len(lens), num_heads, head_dim, dtype=dtype)
     scale = head_dim**-0.5
     tables, context_lens = tables.contiguous(), torch.tensor(lens)  # alive through the call
-    kernel = native.paged_decode() if dtype == torch.float32 else native.paged_decode_bf16()
-    assert kernel(
+    assert native.for_dtype("paged_decode", dtype)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         context_lens.data_ptr(), len(lens), max_blocks, block_size, num_heads,
         num_kv_heads, head_dim, scale, out.data_ptr(), 1) == 0

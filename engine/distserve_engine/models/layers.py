@@ -188,10 +188,7 @@ class RMSNorm(nn.Module):
         kernel = None
         if (x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1
                 and self.weight.dtype == x.dtype):
-            if x.dtype == torch.float32:
-                kernel = native.rms_norm()
-            elif x.dtype == torch.bfloat16:
-                kernel = native.rms_norm_bf16()
+            kernel = native.for_dtype("rms_norm", x.dtype)
         if kernel is not None:
             out = torch.empty(x.shape, dtype=x.dtype)
             kernel(x.data_ptr(), x.stride(0), self.weight.data_ptr(), out.data_ptr(),
@@ -236,10 +233,9 @@ class RotaryEmbedding(nn.Module):
         """Rotate x (T, n, D), any heads of q and k at once, in place (in x's dtype, as HF)."""
         cos, signed_sin = table
         rows, heads, head_dim = x.shape
-        if (x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == x.dtype
-                and x.device.type == "cpu" and x.stride(-1) == 1 and x.stride(-2) == head_dim
-                and cos.is_contiguous() and signed_sin.is_contiguous()):
-            kernel = native.rotary() if x.dtype == torch.float32 else native.rotary_bf16()
+        if (cos.dtype == x.dtype and x.device.type == "cpu" and x.stride(-1) == 1
+                and x.stride(-2) == head_dim and cos.is_contiguous() and signed_sin.is_contiguous()):
+            kernel = native.for_dtype("rotary", x.dtype)
             if kernel is not None:
                 kernel(x.data_ptr(), x.stride(0), rows, heads, head_dim, cos.data_ptr(),
                        signed_sin.data_ptr(), torch.get_num_threads())

@@ -67,11 +67,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, hidden) -> (T, hidden)."""
         gate_up = self.gate_up_proj(x)  # (T, 2 I/tp)
-        kernel = None
-        if gate_up.device.type == "cpu" and gate_up.dtype == torch.float32:
-            kernel = native.swiglu()
-        elif gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16:
-            kernel = native.swiglu_bf16()
+        kernel = native.for_dtype("swiglu", gate_up.dtype) if gate_up.device.type == "cpu" else None
         if kernel is not None and gate_up.is_contiguous():
             # NOTE: on one thread the results are packed into a contiguous (T, I/tp) at the
             # buffer's start: the GEMM reading the strided gate would copy it first (2.8 ms
