@@ -130,6 +130,8 @@ def torch_paths_runner(dtype: str):
     head = runner.model.lm_head
     for module in [*layer_linears(runner), head]:
         if hasattr(module, "weight_blocked"):
+            if getattr(module, "weight_t", None) is None and getattr(module, "weight", None) is None:
+                module.weight_t = module.weight_blocked.to_dense().t().contiguous()  # bfloat16's
             del module.weight_blocked
     if hasattr(head, "weight") and hasattr(head, "weight_t"):
         del head.weight_t

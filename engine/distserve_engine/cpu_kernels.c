@@ -1035,3 +1035,55 @@ int llama_decode_f32(float *hidden, int64_t batch, int64_t hidden_size, int64_t 
     free(scratch);
     return failed ? -1 : 0;
 }
+
+/* argmax_rows_f32: out[r] = the index of row r's largest value, the first where several
+ * tie; a row holding NaN gives its first NaN (as torch.argmax). One pass over each row in
+ * 16 lanes (GCC vectors: a compare and two blends a block at any -march), each lane
+ * keeping its maximum, where it first saw it and whether it saw a NaN; then the lanes'
+ * answers are merged, and only a row with a NaN is read again, to its first. */
+typedef float lanes16f __attribute__((vector_size(64)));
+typedef int32_t lanes16i __attribute__((vector_size(64)));
+
+static int64_t argmax_row(const float *row, int64_t cols) {
+    enum { LANES = 16 };
+    lanes16f lane_max;
+    lanes16i lane_at = {0}, lane_nan = {0}, at_block = {0};
+    for (int l = 0; l < LANES; ++l) lane_max[l] = -INFINITY;
+    int64_t j = 0;
+    if (cols < INT32_MAX - LANES)
+        for (; j + LANES <= cols; j += LANES, at_block += LANES) {
+            lanes16f v;
+            memcpy(&v, row + j, sizeof v);
+            const lanes16i above = v > lane_max;  /* strictly: a lane keeps its first maximum */
+            lane_max = (lanes16f)(((lanes16i)v & above) | ((lanes16i)lane_max & ~above));
+            lane_at = (at_block & above) | (lane_at & ~above);
+            lane_nan |= v != v;
+        }
+    float best = -INFINITY;
+    int64_t at = 0;
+    int has_nan = 0;
+    for (int l = 0; l < LANES; ++l) {
+        const int64_t index = (int64_t)lane_at[l] + l;
+        if (lane_max[l] > best || (lane_max[l] == best && index < at)) {
+            best = lane_max[l];
+            at = index;
+        }
+        has_nan |= lane_nan[l];
+    }
+    for (; j < cols; ++j) {
+        if (row[j] > best) {
+            best = row[j];
+            at = j;
+        }
+        has_nan |= row[j] != row[j];
+    }
+    if (has_nan)
+        for (j = 0; j < cols; ++j)
+            if (row[j] != row[j]) return j;
+    return at;  /* a row of -inf only: 0, as torch */
+}
+
+void argmax_rows_f32(const float *x, int64_t row_stride, int64_t rows, int64_t cols,
+                     int64_t *out) {
+    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * row_stride, cols);
+}

@@ -35,6 +35,9 @@ first use.
   layer (~0.3 ms a layer, a third of a one-sequence step beside its weights' stream).
 - `swiglu` and `rotary`: a prefill's elementwise steps in one pass each, in place (torch
   runs silu_ then mul_, and for the rotation a cat, a mul_ and an addcmul_).
+- `argmax_rows`: greedy sampling's argmax over the vocabulary. torch's CPU argmax runs a
+  scalar loop: 4.2 ms for 32 rows of 49152 logits on one thread, where its max without
+  indices took 0.3.
 
 The shared library is built once into a cache folder (`DISTSERVE_KERNEL_DIR`, default
 ~/.cache/distserve/kernels), under a name that hashes the source and the flags, and
@@ -201,6 +204,12 @@ def rotary_bf16():
     return _kernel("rotary_bf16")
 
 
+def argmax_rows():
+    """The C argmax of each row of a float32 matrix (torch.argmax's answer, ties and NaNs
+    included), or None where the kernels cannot be built or loaded here."""
+    return _kernel("argmax_rows_f32")
+
+
 def for_dtype(accessor: str, dtype: torch.dtype):
     """The kernel an accessor of this module hands out for tensors of `dtype`: its own for
     float32, its `_bf16` twin's for bfloat16 (RMSNorm, SwiGLU, rotary, paged decode);
@@ -293,6 +302,8 @@ def load_library(path: Path):
     library.swiglu_bf16.restype = ctypes.c_int
     library.rotary_bf16.argtypes = library.rotary_f32.argtypes
     library.rotary_bf16.restype = None
+    library.argmax_rows_f32.argtypes = [pointer, size, size, size, pointer]
+    library.argmax_rows_f32.restype = None
     return library
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distserve_engine import native
 from distserve_engine.errors import EngineError
 
 # Large odd multiplier mixing the step into a per-request seed (splitmix64's constant).
@@ -87,13 +88,13 @@ class Sampler:
             if output_token_ids is None:
                 raise ValueError("output_token_ids: needed when a request has penalties")
             logits = apply_penalties(logits, params, output_token_ids)
-        greedy_ids = logits.argmax(dim=-1)  # (B,)
+        greedy_ids = row_argmax(logits)  # (B,)
         if all(p.is_greedy for p in params):
             return greedy_ids.tolist()
         probs = self._filtered_probs(logits, params)  # (B, V)
         noise = self._exponential_noise(probs.shape, params, steps)  # (B, V)
         # Exponential race: argmax(p / E), E ~ Exp(1), draws index i with probability p_i.
-        sampled_ids = (probs / noise).argmax(dim=-1)
+        sampled_ids = row_argmax(probs / noise)
         is_greedy = torch.tensor([p.is_greedy for p in params])
         return torch.where(is_greedy, greedy_ids, sampled_ids).tolist()
 
@@ -123,6 +124,18 @@ class Sampler:
                 g = torch.Generator().manual_seed((p.seed * _STEP_MIX + step) & _SEED_MASK)
                 noise[row].exponential_(generator=g)
         return noise.clamp_min_(1e-20)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of a (B, V) float32 CPU tensor, by the C kernel where
+    it is built (`native.argmax_rows`), else torch's."""
+    kernel = native.argmax_rows()
+    if (kernel is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1
+            or x.shape[-1] == 0):
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    kernel(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],

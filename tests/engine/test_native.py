@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from test_attention import HEAD_DIM, make_batch, reference
 
 from distserve_engine import attention as attention_module
-from distserve_engine import native
+from distserve_engine import native, sampling
 from distserve_engine.attention import build_metadata, paged_attention
 from distserve_engine.model_config import ModelConfig
+from distserve_engine.models import layers
 from distserve_engine.models.layers import (
     ColumnParallelLinear,
     RMSNorm,
@@ -230,6 +231,40 @@ def test_without_the_packed_kernel_a_linear_keeps_its_in_out_copy(monkeypatch):
     for rows in (1, 2, 3, 8):
         x = torch.randn(rows, 24)
         torch.testing.assert_close(module(x), F.linear(x, weight, plain_bias), atol=1e-4, rtol=1e-4)
+
+
+def test_a_bfloat16_linear_multiplies_every_row_count_by_its_blocked_copy_alone():
+    if not layers._blocks_bfloat16():
+        pytest.skip("oneDNN takes no bfloat16 blocked weights on this CPU")
+    torch.manual_seed(5)
+    weight = (torch.randn(40, 24) / 24**0.5).bfloat16()
+    module = ColumnParallelLinear(24, [40], True, ParallelState()).bfloat16()
+    module.weight.data.copy_(weight)
+    module.bias.data.normal_()
+    transpose_for_cpu(module)
+    assert module.weight_blocked.is_mkldnn and module.blocked_min_rows == 1
+    assert getattr(module, "weight_t", None) is None and getattr(module, "weight", None) is None
+    assert layers.stored_weight(module) is module.weight_blocked
+    for rows in (1, 2, 8, 33):
+        x = torch.randn(rows, 24).bfloat16()
+        expected = F.linear(x.float(), weight.float(), module.bias.float())
+        torch.testing.assert_close(module(x).float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_compiler
+@pytest.mark.parametrize("cols", [1, 15, 16, 49152 + 7])
+def test_row_argmax_in_c_is_torch_argmax_with_its_ties_infinities_and_nans(cols, monkeypatch):
+    _, calls = spy_on_kernel(monkeypatch, "argmax_rows")
+    torch.manual_seed(cols)
+    x = torch.randn(6, cols + 3)[:, :cols]  # rows strided past their width
+    x[1] = float("-inf")
+    x[2, cols // 2:] = x[2].max() + 1  # ties: the first one wins
+    x[3, -1] = float("inf")
+    x[4, cols // 3] = float("nan")  # a NaN beats any number
+    x[5, cols - 1] = float("nan")
+    x[5, 0] = float("inf")
+    assert sampling.row_argmax(x).tolist() == x.argmax(dim=-1).tolist()
+    assert len(calls) == 1
 
 
 @needs_compiler

@@ -78,8 +78,9 @@ def transpose_for_cpu(module: nn.Module, keep_weight: bool = False) -> None:
     """Store a loaded linear's weight in the layouts CPU GEMMs favour. In float32 with the
     C kernels and oneDNN: packed in panels (`native.packed_linear`) for products of up to
     `native.PACKED_MAX_ROWS` rows (a decode step's), and a oneDNN-blocked copy for more (a
-    prefill's). Otherwise as (in, out) for products of 1-2 rows and, with oneDNN, the
-    blocked copy for 3 rows or more.
+    prefill's). In bfloat16 where oneDNN takes it, the blocked copy alone, for every
+    product (`_blocks_bfloat16`). Otherwise as (in, out) for products of 1-2 rows and, with
+    oneDNN, the blocked copy for 3 rows or more.
 
     NOTE: with weight (out, in) MKL re-packs the matrix on every call; on this CPU a
     (8..32, 576) x (576, 3072) fp32 product ran 1.3-1.8x faster from the transposed copy.
@@ -101,11 +102,15 @@ def transpose_for_cpu(module: nn.Module, keep_weight: bool = False) -> None:
              module.weight_packed.data_ptr())
         module.packed_out_features = out_features
         min_blocked_rows = native.PACKED_MAX_ROWS + 1
+    elif weight.dtype == torch.bfloat16 and _blocks_bfloat16():
+        min_blocked_rows = 1  # the blocked copy serves every product; no (in, out) copy
     else:
         module.weight_t = weight.t().contiguous()  # (in, out)
         min_blocked_rows = 3
     if getattr(module, "weight_blocked", None) is None:  # the head has its own already
         _add_blocked(module, weight, min_rows=min_blocked_rows)
+    else:
+        module.blocked_min_rows = min(module.blocked_min_rows, min_blocked_rows)
     if not keep_weight:
         del module.weight
 
@@ -125,19 +130,34 @@ def block_head_for_cpu(module: nn.Module) -> None:
 
 
 def _add_blocked(module: nn.Module, weight: torch.Tensor, min_rows: int) -> None:
-    if weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+    blocks = weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    if blocks or (weight.dtype == torch.bfloat16 and _blocks_bfloat16()):
         module.weight_blocked = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         module.blocked_min_rows = min_rows
 
 
+def _blocks_bfloat16() -> bool:
+    """Whether oneDNN multiplies bfloat16 from a blocked weight on this CPU.
+
+    NOTE: over SmolLM2's 30 layers of linears, one thread, a CPU with AMX, the blocked
+    bfloat16 copies took 21-23 ms a pass at 1-16 rows and 25-27 at 32, where torch.mm
+    from (in, out) copies took 30-50 (it re-packs each weight on every call); the LM head
+    2.6-3.1 ms from its blocked copy at 1-8 rows, 7-8 from (in, out). From 2048 rows the
+    two ran level. So bfloat16 keeps the blocked copy only, for every row count.
+    """
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def stored_weight(module: nn.Module) -> torch.Tensor:
     """The copy of a linear's weight that a one-row product reads: the plain weight, else
-    the packed or (in, out) copy that replaced it."""
+    the packed, (in, out) or blocked copy that replaced it."""
     weight = getattr(module, "weight", None)
     if weight is not None:
         return weight
-    packed = getattr(module, "weight_packed", None)
-    return module.weight_t if packed is None else packed
+    for copy in ("weight_packed", "weight_t"):
+        if getattr(module, copy, None) is not None:
+            return getattr(module, copy)
+    return module.weight_blocked
 
 
 def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
