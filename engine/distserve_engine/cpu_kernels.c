@@ -1,5 +1,5 @@
 /* The CPU engine's C kernels, float32, and bfloat16 for RMSNorm, SwiGLU, rotary and
- * paged decode attention (loaded by native.py):
+ * paged decode attention, and greedy sampling's argmax (loaded by native.py):
  *
  * paged_decode_f32: decode attention over the paged KV cache, one new token per
  * sequence, each query head attending its sequence's whole context, read in place
@@ -11,9 +11,10 @@
  *   out      (batch, num_heads, head_dim)
  * Query heads are grouped: head h reads KV head h / (num_heads / num_kv_heads). With AVX2
  * and FMA and head_dim a multiple of 8 (attend_one_x8), tokens are the outer loop, so the
- * cache is read front to back through each block, keys then values, in 8-float vectors;
- * elsewhere (attend_one) each KV head's tokens are read once for its whole group.
- * Sequences run in parallel over `num_threads` OpenMP threads.
+ * cache is read front to back through each block, keys then values, in 8-float vectors
+ * (16 in AVX-512 builds), the next block prefetched; elsewhere (attend_one) each KV
+ * head's tokens are read once for its whole group. Sequences run in parallel over
+ * `num_threads` OpenMP threads.
  *
  * pack_linear_f32 / packed_linear_f32: y = x W^T (+ bias) for the few rows of a decode
  * step (AVX2 and FMA; elsewhere both return -1 and torch's GEMMs run). W (n, k) is
