@@ -1043,58 +1043,319 @@ int prefill_attention_f32(const float *q, const float *k, const float *v, const 
  * 7 pointers: input norm, packed qkv, qkv bias (or NULL), packed o, post-attention norm,
  * packed gate_up, packed down. Layer l's caches start layer_stride floats after layer
  * l - 1's, each (num_blocks, block_size, num_kv_heads, head_dim). cos and sin_signed:
- * each sequence's rotary row (`rotary_f32`). Returns -1 where a kernel cannot run (no
- * AVX2 and FMA) or scratch memory cannot be had. */
-int llama_decode_f32(float *hidden, int64_t batch, int64_t hidden_size, int64_t num_layers,
-                     const float *const *weights, float eps, float *k_cache, float *v_cache,
-                     int64_t layer_stride, const int64_t *slots, const int64_t *tables,
-                     int64_t max_blocks, const int64_t *context_lens, int64_t block_size,
-                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                     int64_t intermediate, const float *cos, const float *sin_signed,
-                     float scale, int num_threads) {
-    if (!packed_linear_supported()) return -1;
-    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    const int64_t qkv_size = q_size + 2 * kv_size;
-    const int64_t floats = batch * (hidden_size + qkv_size + 2 * q_size + hidden_size + 3 * intermediate);
-    float *scratch = malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));
-    if (scratch == NULL) return -1;
-    float *normed = scratch, *qkv = normed + batch * hidden_size, *q = qkv + batch * qkv_size;
-    float *attended = q + batch * q_size, *projected = attended + batch * q_size;
-    float *gate_up = projected + batch * hidden_size, *act = gate_up + batch * 2 * intermediate;
-    int failed = 0;
-    for (int64_t l = 0; l < num_layers && !failed; ++l) {
-        const float *const *w = weights + 7 * l;
-        float *k_layer = k_cache + l * layer_stride, *v_layer = v_cache + l * layer_stride;
-        rms_norm_f32(hidden, hidden_size, w[0], normed, batch, hidden_size, eps);
-        failed |= packed_linear_f32(normed, hidden_size, batch, w[1], qkv_size, hidden_size, w[2],
-                                    qkv, qkv_size, num_threads) != 0;
-        rotary_f32(qkv, qkv_size, batch, num_heads + num_kv_heads, head_dim, cos, sin_signed,
-                   num_threads);
-        for (int64_t b = 0; b < batch; ++b) {
-            const float *row = qkv + b * qkv_size;
-            memcpy(q + b * q_size, row, sizeof(float) * (size_t)q_size);
-            memcpy(k_layer + slots[b] * kv_size, row + q_size, sizeof(float) * (size_t)kv_size);
-            memcpy(v_layer + slots[b] * kv_size, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
-        }
-        failed |= paged_decode_f32(q, k_layer, v_layer, tables, context_lens, batch, max_blocks,
-                                   block_size, num_heads, num_kv_heads, head_dim, scale,
-                                   attended, num_threads) != 0;
-        failed |= packed_linear_f32(attended, q_size, batch, w[3], hidden_size, q_size, NULL,
-                                    projected, hidden_size, num_threads) != 0;
-        for (int64_t i = 0; i < batch * hidden_size; ++i) hidden[i] += projected[i];
-        rms_norm_f32(hidden, hidden_size, w[4], normed, batch, hidden_size, eps);
-        failed |= packed_linear_f32(normed, hidden_size, batch, w[5], 2 * intermediate,
-                                    hidden_size, NULL, gate_up, 2 * intermediate, num_threads) != 0;
-        for (int64_t b = 0; b < batch; ++b)
-            swiglu_row(gate_up + b * 2 * intermediate, gate_up + b * 2 * intermediate + intermediate,
-                       act + b * intermediate, intermediate);
-        failed |= packed_linear_f32(act, intermediate, batch, w[6], hidden_size, intermediate, NULL,
-                                    projected, hidden_size, num_threads) != 0;
-        for (int64_t i = 0; i < batch * hidden_size; ++i) hidden[i] += projected[i];
+ * each sequence's rotary row (`rotary_f32`). Returns 0; -2, having done nothing, where
+ * the kernels cannot run (no AVX2 and FMA); -1 where scratch memory cannot be had or a
+ * kernel fails on the way (hidden is then partial). */
+static inline float add_f32(float a, float b) { return a + b; }
+static inline uint16_t add_bf16(uint16_t a, uint16_t b) {
+    return f32_to_bf16(bf16_to_f32(a) + bf16_to_f32(b));
+}
+
+#define DEFINE_LLAMA_DECODE(S, T, SUPPORTED, SWIGLU_ROW)                                       \
+    int llama_decode_##S(T *hidden, int64_t batch, int64_t hidden_size, int64_t num_layers,     \
+                         const T *const *weights, float eps, T *k_cache, T *v_cache,           \
+                         int64_t layer_stride, const int64_t *slots, const int64_t *tables,    \
+                         int64_t max_blocks, const int64_t *context_lens, int64_t block_size,  \
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,            \
+                         int64_t intermediate, const T *cos, const T *sin_signed,              \
+                         float scale, int num_threads) {                                       \
+        if (!(SUPPORTED)) return -2;                                                            \
+        const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;        \
+        const int64_t qkv_size = q_size + 2 * kv_size;                                         \
+        const int64_t count = batch * (hidden_size + qkv_size + 2 * q_size + hidden_size       \
+                                       + 3 * intermediate);                                    \
+        T *scratch = malloc(sizeof(T) * (size_t)(count > 0 ? count : 1));                      \
+        if (scratch == NULL) return -1;                                                        \
+        T *normed = scratch, *qkv = normed + batch * hidden_size, *q = qkv + batch * qkv_size; \
+        T *attended = q + batch * q_size, *projected = attended + batch * q_size;              \
+        T *gate_up = projected + batch * hidden_size, *act = gate_up + batch * 2 * intermediate; \
+        int failed = 0;                                                                        \
+        for (int64_t l = 0; l < num_layers && !failed; ++l) {                                  \
+            const T *const *w = weights + 7 * l;                                               \
+            T *k_layer = k_cache + l * layer_stride, *v_layer = v_cache + l * layer_stride;    \
+            rms_norm_##S(hidden, hidden_size, w[0], normed, batch, hidden_size, eps);          \
+            failed |= packed_linear_##S(normed, hidden_size, batch, w[1], qkv_size, hidden_size, \
+                                        w[2], qkv, qkv_size, num_threads) != 0;                \
+            rotary_##S(qkv, qkv_size, batch, num_heads + num_kv_heads, head_dim, cos,          \
+                       sin_signed, num_threads);                                               \
+            for (int64_t b = 0; b < batch; ++b) {                                              \
+                const T *row = qkv + b * qkv_size;                                             \
+                memcpy(q + b * q_size, row, sizeof(T) * (size_t)q_size);                       \
+                memcpy(k_layer + slots[b] * kv_size, row + q_size, sizeof(T) * (size_t)kv_size); \
+                memcpy(v_layer + slots[b] * kv_size, row + q_size + kv_size,                   \
+                       sizeof(T) * (size_t)kv_size);                                           \
+            }                                                                                  \
+            failed |= paged_decode_##S(q, k_layer, v_layer, tables, context_lens, batch,       \
+                                       max_blocks, block_size, num_heads, num_kv_heads,        \
+                                       head_dim, scale, attended, num_threads) != 0;           \
+            failed |= packed_linear_##S(attended, q_size, batch, w[3], hidden_size, q_size,    \
+                                        NULL, projected, hidden_size, num_threads) != 0;       \
+            for (int64_t i = 0; i < batch * hidden_size; ++i)                                  \
+                hidden[i] = add_##S(hidden[i], projected[i]);                                  \
+            rms_norm_##S(hidden, hidden_size, w[4], normed, batch, hidden_size, eps);          \
+            failed |= packed_linear_##S(normed, hidden_size, batch, w[5], 2 * intermediate,    \
+                                        hidden_size, NULL, gate_up, 2 * intermediate,          \
+                                        num_threads) != 0;                                     \
+            for (int64_t b = 0; b < batch; ++b)                                                \
+                SWIGLU_ROW(gate_up + b * 2 * intermediate,                                     \
+                           gate_up + b * 2 * intermediate + intermediate,                      \
+                           act + b * intermediate, intermediate);                              \
+            failed |= packed_linear_##S(act, intermediate, batch, w[6], hidden_size,           \
+                                        intermediate, NULL, projected, hidden_size,            \
+                                        num_threads) != 0;                                     \
+            for (int64_t i = 0; i < batch * hidden_size; ++i)                                  \
+                hidden[i] = add_##S(hidden[i], projected[i]);                                  \
+        }                                                                                      \
+        free(scratch);                                                                         \
+        return failed ? -1 : 0;                                                                \
     }
-    free(scratch);
+
+DEFINE_LLAMA_DECODE(f32, float, packed_linear_supported(), swiglu_row)
+
+/* pack_linear_bf16 / packed_linear_bf16: y = x W^T (+ bias) in bfloat16 for the rows of a
+ * decode step, on AMX's tiles (Intel's Advanced Matrix Extensions; where the CPU lacks
+ * them, or the kernel refuses them, packed_linear_bf16 returns -1 and oneDNN's GEMMs run).
+ * W (n, k) is packed once in AMX's pair layout: panels of 16 output features, k padded
+ * with zeros to a multiple of 32, each pair of input features one row of 32 bfloat16
+ * (feature f's two at 2f, 2f + 1); a tile of B is then 16 such rows, 1 KiB read front to
+ * back. x is copied into rows padded to tiles of 16 (zeros past m and k). Each pair of
+ * panels is multiplied by blocks of 32 rows (two tiles of A, four accumulator tiles of
+ * 16 x 16 floats), the next pair of panels prefetched; the products are rounded once to
+ * bfloat16 after the bias is added in float32. Panel pairs run in parallel over
+ * `num_threads` OpenMP threads, each with its own tile configuration. */
+int64_t packed_linear_bf16_size(int64_t n, int64_t k) {
+    return (n + PANEL - 1) / PANEL * ((k + 31) / 32) * 32 * PANEL;
+}
+
+int pack_linear_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
+    const int64_t pairs = (k + 31) / 32 * 16;
+    for (int64_t p = 0; p < (n + PANEL - 1) / PANEL; ++p)
+        for (int64_t i = 0; i < pairs; ++i)
+            for (int64_t f = 0; f < PANEL; ++f)
+                for (int64_t h = 0; h < 2; ++h) {
+                    const int64_t feature = p * PANEL + f, j = 2 * i + h;
+                    packed[((p * pairs + i) * PANEL + f) * 2 + h] =
+                        feature < n && j < k ? w[feature * k + j] : 0;
+                }
+    return 0;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#include <immintrin.h> /* the functions below enable the instructions they use */
+#include <sys/syscall.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_num_threads(void) { return 1; }
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
+#define ARCH_REQ_XCOMP_PERM_ 0x1023 /* asm/prctl.h */
+#define XFEATURE_XTILEDATA_ 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Whether this process may use AMX's tiles: the CPU has them and Linux grants the
+ * process their state (asked once). */
+int packed_linear_bf16_supported(void) {
+    static int granted = -1;
+    if (granted < 0)
+        granted = __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("avx512bw") &&
+                  syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM_, XFEATURE_XTILEDATA_) == 0;
+    return granted;
+}
+
+/* 16 floats rounded to bfloat16 as f32_to_bf16 rounds them (nearest even, NaN quiet). */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static inline __m256i narrow_bf16_16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
+    const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+/* Rows [first, first + rows) of c, columns [col, col + cols) (cols <= 32), from the
+ * float tile rows in sums (32 floats apart), the bias added, rounded to bfloat16. */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static void store_bf16_rows(const float *sums, int64_t rows, int64_t cols, const uint16_t *bias,
+                            uint16_t *c, int64_t ldc) {
+    for (int64_t half = 0; half * 16 < cols; ++half) {
+        const int64_t width = cols - half * 16 < 16 ? cols - half * 16 : 16;
+        const __mmask16 mask = (__mmask16)((1u << width) - 1u);
+        const __m512 b = bias == NULL ? _mm512_setzero_ps()
+            : _mm512_castsi512_ps(_mm512_slli_epi32(
+                  _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + half * 16)), 16));
+        for (int64_t r = 0; r < rows; ++r)
+            _mm256_mask_storeu_epi16(c + r * ldc + half * 16, mask,
+                                     narrow_bf16_16(_mm512_add_ps(_mm512_loadu_ps(sums + r * 32 + half * 16), b)));
+    }
+}
+
+/* c's columns of one panel for m > 32 rows, blocks of 64 rows (4 accumulator tiles, the
+ * rows' tiles loaded in turn into two tiles of A). */
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
+static void amx_panel_rows64(const uint16_t *padded, int64_t kp, int64_t m, const uint16_t *panel,
+                             const uint16_t *ahead, int64_t chunks, int64_t cols,
+                             const uint16_t *bias, uint16_t *c, int64_t ldc, float *sums) {
+    for (int64_t row = 0; row < m; row += 64) {
+        const int64_t tiles = (m - row + 15) / 16 < 4 ? (m - row + 15) / 16 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+            const uint16_t *a = padded + row * kp + ch * 32;
+            if (ahead != NULL && row == 0)
+                for (int64_t l = 0; l < 16; ++l)
+                    _mm_prefetch((const char *)(ahead + ch * 512 + l * 32), _MM_HINT_T0);
+            _tile_loadd(6, panel + ch * 512, 64);
+            _tile_loadd(4, a, kp * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            if (tiles > 1) {
+                _tile_loadd(5, a + 16 * kp, kp * 2);
+                _tile_dpbf16ps(1, 5, 6);
+            }
+            if (tiles > 2) {
+                _tile_loadd(4, a + 32 * kp, kp * 2);
+                _tile_dpbf16ps(2, 4, 6);
+            }
+            if (tiles > 3) {
+                _tile_loadd(5, a + 48 * kp, kp * 2);
+                _tile_dpbf16ps(3, 5, 6);
+            }
+        }
+        /* sums holds 32 rows of 32 floats: two tiles of rows at a time */
+        _tile_stored(0, sums, 128);
+        if (tiles > 1) _tile_stored(1, sums + 16 * 32, 128);
+        const int64_t rows = m - row < 64 ? m - row : 64;
+        store_bf16_rows(sums, rows < 32 ? rows : 32, cols, bias, c + row * ldc, ldc);
+        if (tiles > 2) {
+            _tile_stored(2, sums, 128);
+            if (tiles > 3) _tile_stored(3, sums + 16 * 32, 128);
+            store_bf16_rows(sums, rows - 32, cols, bias, c + (row + 32) * ldc, ldc);
+        }
+    }
+}
+
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
+static void amx_panel_pairs(const uint16_t *padded, int64_t kp, int64_t m, const uint16_t *packed,
+                            int64_t n, int64_t first_pair, int64_t last_pair,
+                            const uint16_t *bias, uint16_t *c, int64_t ldc, float *sums) {
+    const int64_t chunks = kp / 32, panel_size = kp * PANEL, panels = (n + PANEL - 1) / PANEL;
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+    for (int64_t pair = first_pair; pair < last_pair; ++pair) {
+        const int64_t p = 2 * pair;
+        const int two = p + 1 < panels;
+        const uint16_t *b0 = packed + p * panel_size, *b1 = b0 + panel_size;
+        /* the next pair's panels, one after the other: a chunk's share of their lines */
+        const uint16_t *ahead = p + 2 < panels ? b0 + 2 * panel_size : NULL;
+        const int64_t ahead_lines = p + 3 < panels ? 32 : 16;
+        const int64_t cols = n - p * PANEL < 2 * PANEL ? n - p * PANEL : 2 * PANEL;
+        if (m > 32) {  /* one panel at a time: B read once for 4 tiles of rows */
+            for (int64_t half = 0; half < 1 + two; ++half)
+                amx_panel_rows64(padded, kp, m, b0 + half * panel_size,
+                                 p + half + 1 < panels ? b0 + (half + 1) * panel_size : NULL, chunks,
+                                 cols - half * PANEL < PANEL ? cols - half * PANEL : PANEL,
+                                 bias != NULL ? bias + (p + half) * PANEL : NULL,
+                                 c + (p + half) * PANEL, ldc, sums);
+            continue;
+        }
+        for (int64_t row = 0; row < m; row += 32) {
+            const int two_rows = row + 16 < m;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t ch = 0; ch < chunks; ++ch) {
+                if (ahead != NULL && row == 0)
+                    for (int64_t l = ch * ahead_lines; l < (ch + 1) * ahead_lines; ++l)
+                        _mm_prefetch((const char *)(ahead + l * 32), _MM_HINT_T0);
+                _tile_loadd(4, padded + row * kp + ch * 32, kp * 2);
+                _tile_loadd(6, b0 + ch * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two) {
+                    _tile_loadd(7, b1 + ch * 512, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (two_rows) {
+                    _tile_loadd(5, padded + (row + 16) * kp + ch * 32, kp * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, sums, 128);
+            if (two) _tile_stored(1, sums + 16, 128);
+            if (two_rows) {
+                _tile_stored(2, sums + 16 * 32, 128);
+                if (two) _tile_stored(3, sums + 16 * 32 + 16, 128);
+            }
+            store_bf16_rows(sums, m - row < 32 ? m - row : 32, cols,
+                            bias != NULL ? bias + p * PANEL : NULL, c + row * ldc + p * PANEL, ldc);
+        }
+    }
+    _tile_release();
+}
+
+/* c (m, n), rows ldc apart = a (m, k), rows lda apart, x W^T (+ bias (n,) or NULL); 0, or
+ * -1 (nothing written) without AMX or scratch memory. */
+int packed_linear_bf16(const uint16_t *a, int64_t lda, int64_t m, const uint16_t *packed,
+                       int64_t n, int64_t k, const uint16_t *bias, uint16_t *c, int64_t ldc,
+                       int num_threads) {
+    if (!packed_linear_bf16_supported()) return -1;
+    const int64_t kp = (k + 31) / 32 * 32, rows = m > 32 ? (m + 63) / 64 * 64 : (m + 31) / 32 * 32;
+    uint16_t *padded = malloc(sizeof(uint16_t) * (size_t)(rows * kp));
+    if (padded == NULL) return -1;
+    for (int64_t r = 0; r < rows; ++r) {
+        if (r < m) memcpy(padded + r * kp, a + r * lda, sizeof(uint16_t) * (size_t)k);
+        memset(padded + r * kp + (r < m ? k : 0), 0, sizeof(uint16_t) * (size_t)(r < m ? kp - k : kp));
+    }
+    const int64_t pairs = ((n + PANEL - 1) / PANEL + 1) / 2;
+    int failed = 0;
+    if (num_threads < 1 || pairs < num_threads) num_threads = pairs > 0 ? (int)pairs : 1;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *sums = malloc(sizeof(float) * 32 * 32);
+        const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t first = pairs * thread / threads, last = pairs * (thread + 1) / threads;
+        if (sums == NULL) failed = 1;
+        else amx_panel_pairs(padded, kp, m, packed, n, first, last, bias, c, ldc, sums);
+        free(sums);
+    }
+    free(padded);
     return failed ? -1 : 0;
 }
+#else
+int packed_linear_bf16_supported(void) { return 0; }
+int packed_linear_bf16(const uint16_t *a, int64_t lda, int64_t m, const uint16_t *packed,
+                       int64_t n, int64_t k, const uint16_t *bias, uint16_t *c, int64_t ldc,
+                       int num_threads) {
+    return -1;
+}
+#endif
+
+/* llama_decode_bf16: llama_decode_f32's step for bfloat16 weights, caches and hidden
+ * states, through the bfloat16 kernels (the packed linears on AMX): the same results bit
+ * for bit as the Python path running those kernels one by one. -2 (nothing done) where
+ * a kernel would refuse: no AMX, a head over MAX_BF16_HEAD_DIM, an MLP over
+ * MAX_BF16_WIDTH. */
+DEFINE_LLAMA_DECODE(bf16, uint16_t,
+                    packed_linear_bf16_supported() && head_dim <= MAX_BF16_HEAD_DIM
+                        && intermediate <= MAX_BF16_WIDTH,
+                    swiglu_row_bf16)
 
 /* argmax_rows_f32: out[r] = the index of row r's largest value, the first where several
  * tie; a row holding NaN gives its first NaN (as torch.argmax). One pass over each row in

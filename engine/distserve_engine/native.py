@@ -81,6 +81,8 @@ PACKED_PANEL = 16  # output features per panel of a packed weight (cpu_kernels.c
 # Rows up to which a linear reads its packed weight; more (a prefill) go to oneDNN, whose
 # cache blocking keeps large products ahead (at 256 rows the two were level here).
 PACKED_MAX_ROWS = 128
+# The same for bfloat16 on AMX (`packed_linear_bf16`); more go to oneDNN's AMX GEMMs.
+PACKED_MAX_ROWS_BF16 = 64
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}  # "library" -> the ctypes library, or None once it failed
@@ -164,6 +166,24 @@ def packed_linear_size(out_features: int, in_features: int) -> int:
     return -(-out_features // PACKED_PANEL) * PACKED_PANEL * in_features
 
 
+def pack_linear_bf16():
+    """The C function that packs a bfloat16 (out, in) weight for `packed_linear_bf16`, or
+    None where the kernels cannot be built or loaded here or the CPU lacks AMX."""
+    return _kernel("pack_linear_bf16", needs_amx=True)
+
+
+def packed_linear_bf16():
+    """The C product of up to PACKED_MAX_ROWS_BF16 bfloat16 rows with a packed weight, on
+    AMX's tiles, or None (as `pack_linear_bf16`)."""
+    return _kernel("packed_linear_bf16", needs_amx=True)
+
+
+def packed_linear_bf16_size(out_features: int, in_features: int) -> int:
+    """bfloat16 elements a packed weight holds (whole panels of 16 output features, the
+    input features padded to a multiple of 32)."""
+    return -(-out_features // PACKED_PANEL) * PACKED_PANEL * -(-in_features // 32) * 32
+
+
 def rms_norm():
     """The C RMSNorm function, or None where the kernels cannot be built or loaded here."""
     return _kernel("rms_norm_f32")
@@ -184,6 +204,12 @@ def llama_decode():
     """The C function that runs a Llama decode step's layers in one call, or None (as
     `pack_linear`)."""
     return _kernel("llama_decode_f32", needs_avx2=True)
+
+
+def llama_decode_bf16():
+    """`llama_decode` for bfloat16 weights and caches (its linears on AMX), or None (as
+    `pack_linear_bf16`)."""
+    return _kernel("llama_decode_bf16", needs_amx=True)
 
 
 def swiglu():
@@ -227,11 +253,14 @@ def for_dtype(accessor: str, dtype: torch.dtype):
     return None
 
 
-def _kernel(name: str, needs_avx2: bool = False):
+def _kernel(name: str, needs_avx2: bool = False, needs_amx: bool = False):
     """The library's function `name`; None where the kernels cannot be built or loaded
-    here, or, with needs_avx2, where they were built without AVX2 and FMA."""
+    here, with needs_avx2 where they were built without AVX2 and FMA, with needs_amx where
+    the CPU lacks AMX's bfloat16 tiles (or Linux refuses this process their state)."""
     library = _library()
     if library is None or (needs_avx2 and not library.has_packed_linear):
+        return None
+    if needs_amx and not library.has_amx:
         return None
     return getattr(library, name)
 
@@ -310,6 +339,15 @@ def load_library(path: Path):
     library.rotary_bf16.restype = None
     library.argmax_rows_f32.argtypes = [pointer, size, size, size, pointer]
     library.argmax_rows_f32.restype = None
+    library.packed_linear_bf16_supported.argtypes = []
+    library.packed_linear_bf16_supported.restype = ctypes.c_int
+    library.has_amx = bool(library.packed_linear_bf16_supported())  # asked once, not per call
+    library.pack_linear_bf16.argtypes = library.pack_linear_f32.argtypes
+    library.pack_linear_bf16.restype = ctypes.c_int
+    library.packed_linear_bf16.argtypes = library.packed_linear_f32.argtypes
+    library.packed_linear_bf16.restype = ctypes.c_int
+    library.llama_decode_bf16.argtypes = library.llama_decode_f32.argtypes
+    library.llama_decode_bf16.restype = ctypes.c_int
     return library
 
 

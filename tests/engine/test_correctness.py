@@ -84,18 +84,20 @@ def test_decode_logits_match_transformers(tiny_llama_dir):
         torch.testing.assert_close(runner.last_logits[row], expected, atol=1e-4, rtol=1e-4)
 
 
-def test_a_decode_step_in_one_c_call_is_the_layers_one_by_one_bit_for_bit(tiny_llama_dir,
-                                                                          monkeypatch):
-    kernel, calls = spy_on_kernel(monkeypatch, "llama_decode")
+@pytest.mark.parametrize(("dtype", "kernel_name"), [("float32", "llama_decode"),
+                                                  ("bfloat16", "llama_decode_bf16")])
+def test_a_decode_step_in_one_c_call_is_the_layers_one_by_one_bit_for_bit(
+        tiny_llama_dir, monkeypatch, dtype, kernel_name):
+    kernel, calls = spy_on_kernel(monkeypatch, kernel_name)
     if kernel is None:
-        pytest.skip("the CPU engine's C kernels cannot be built here")
-    fused_runner = tiny_runner(tiny_llama_dir)
+        pytest.skip(f"{kernel_name}: the C kernels cannot be built here, or the CPU lacks AMX")
+    fused_runner = tiny_runner(tiny_llama_dir, dtype=dtype)
     prompts = make_prompts(fused_runner.model_config.vocab_size, [3, 21, 9], seed=4)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     fused = generate(fused_runner, prompts, params)
     assert len(calls) == 11  # every decode step (the first token comes from the prefill)
     monkeypatch.setattr(LlamaForCausalLM, "_decode_in_c", lambda *args: False)
-    layered_runner = tiny_runner(tiny_llama_dir)
+    layered_runner = tiny_runner(tiny_llama_dir, dtype=dtype)
     layered = generate(layered_runner, prompts, params)
     assert [s.output_token_ids for s in fused] == [s.output_token_ids for s in layered]
     assert torch.equal(fused_runner.last_logits, layered_runner.last_logits)
@@ -104,6 +106,7 @@ def test_a_decode_step_in_one_c_call_is_the_layers_one_by_one_bit_for_bit(tiny_l
 def test_bf16_decode_steps_run_the_c_kernels_and_stay_close_to_transformers(tiny_llama_dir,
                                                                            monkeypatch):
     runner, ref = tiny_runner(tiny_llama_dir, dtype="bfloat16"), hf_model(tiny_llama_dir)
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_in_c", lambda *args: False)  # layer by layer
     kernel, calls = spy_on_kernel(monkeypatch, "paged_decode_bf16")
     if kernel is None:
         pytest.skip("the CPU engine's C kernels cannot be built here")

@@ -233,22 +233,51 @@ def test_without_the_packed_kernel_a_linear_keeps_its_in_out_copy(monkeypatch):
         torch.testing.assert_close(module(x), F.linear(x, weight, plain_bias), atol=1e-4, rtol=1e-4)
 
 
-def test_a_bfloat16_linear_multiplies_every_row_count_by_its_blocked_copy_alone():
-    if not layers._blocks_bfloat16():
-        pytest.skip("oneDNN takes no bfloat16 blocked weights on this CPU")
-    torch.manual_seed(5)
-    weight = (torch.randn(40, 24) / 24**0.5).bfloat16()
-    module = ColumnParallelLinear(24, [40], True, ParallelState()).bfloat16()
+def _loaded_bf16_linear(out_features: int, in_features: int, seed: int):
+    torch.manual_seed(seed)
+    weight = (torch.randn(out_features, in_features) / in_features**0.5).bfloat16()
+    module = ColumnParallelLinear(in_features, [out_features], True, ParallelState()).bfloat16()
     module.weight.data.copy_(weight)
     module.bias.data.normal_()
+    plain_bias = module.bias.detach().clone()
     transpose_for_cpu(module)
+    return module, weight, plain_bias
+
+
+def _assert_bf16_product(module, weight, bias, rows: int):
+    """The module's product: float32's on the same bfloat16 inputs, rounded once."""
+    x = torch.randn(rows + 2, weight.shape[1]).bfloat16()[:rows]
+    expected = F.linear(x.float(), weight.float(), bias.float()).bfloat16()
+    torch.testing.assert_close(module(x), expected, atol=2**-6, rtol=2**-7)
+
+
+def test_without_amx_a_bfloat16_linear_multiplies_every_row_count_by_its_blocked_copy(monkeypatch):
+    if not layers._blocks_bfloat16():
+        pytest.skip("oneDNN takes no bfloat16 blocked weights on this CPU")
+    monkeypatch.setattr(native, "pack_linear_bf16", lambda: None)  # as on a CPU without AMX
+    module, weight, bias = _loaded_bf16_linear(40, 24, seed=5)
     assert module.weight_blocked.is_mkldnn and module.blocked_min_rows == 1
     assert getattr(module, "weight_t", None) is None and getattr(module, "weight", None) is None
     assert layers.stored_weight(module) is module.weight_blocked
     for rows in (1, 2, 8, 33):
-        x = torch.randn(rows, 24).bfloat16()
-        expected = F.linear(x.float(), weight.float(), module.bias.float())
-        torch.testing.assert_close(module(x).float(), expected, atol=2e-2, rtol=2e-2)
+        _assert_bf16_product(module, weight, bias, rows)
+
+
+@needs_compiler
+@pytest.mark.parametrize(("out_features", "in_features"), [(40, 24), (37, 13), (960, 576), (70, 100)])
+def test_a_bfloat16_linear_on_amx_multiplies_decode_rows_by_its_packed_copy(
+        out_features, in_features, monkeypatch):
+    if native.packed_linear_bf16() is None:
+        pytest.skip("this CPU lacks AMX: bfloat16 linears keep oneDNN's blocked copy")
+    _, calls = spy_on_kernel(monkeypatch, "packed_linear_bf16")
+    module, weight, bias = _loaded_bf16_linear(out_features, in_features, seed=out_features)
+    assert module.weight_packed.dtype == torch.bfloat16
+    assert module.blocked_min_rows == native.PACKED_MAX_ROWS_BF16 + 1
+    # one tile of rows, part of one, two, the 4-tile blocks, and past the packed kernel
+    row_counts = (1, 3, 16, 17, 32, 33, 64, 65, 100)
+    for rows in row_counts:
+        _assert_bf16_product(module, weight, bias, rows)
+    assert len(calls) == sum(rows <= native.PACKED_MAX_ROWS_BF16 for rows in row_counts)
 
 
 @needs_compiler

@@ -8,6 +8,8 @@ model's `load_weights` only maps names. Column-parallel layers split output feat
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -74,11 +76,32 @@ class RowParallelLinear(nn.Module):
             self.weight.data.copy_(_shard(tensor, 1, self.state.tp_rank, self.state.tp))
 
 
+@dataclass(frozen=True)
+class Packing:
+    """A dtype's packed weights: `native`'s packing and product accessors, the packed
+    size, and the most rows the product takes (more go to the oneDNN-blocked copy)."""
+
+    pack: str
+    multiply: str
+    size: Callable[[int, int], int]
+    max_rows: int
+
+
+PACKINGS = {
+    torch.float32: Packing("pack_linear", "packed_linear", native.packed_linear_size,
+                           native.PACKED_MAX_ROWS),
+    torch.bfloat16: Packing("pack_linear_bf16", "packed_linear_bf16",
+                            native.packed_linear_bf16_size, native.PACKED_MAX_ROWS_BF16),
+}
+
+
 def transpose_for_cpu(module: nn.Module, keep_weight: bool = False) -> None:
     """Store a loaded linear's weight in the layouts CPU GEMMs favour. In float32 with the
     C kernels and oneDNN: packed in panels (`native.packed_linear`) for products of up to
     `native.PACKED_MAX_ROWS` rows (a decode step's), and a oneDNN-blocked copy for more (a
-    prefill's). In bfloat16 where oneDNN takes it, the blocked copy alone, for every
+    prefill's). In bfloat16 on a CPU with AMX, the same: packed in AMX's pair layout
+    (`native.packed_linear_bf16`) for up to `native.PACKED_MAX_ROWS_BF16` rows, the blocked
+    copy for more; elsewhere where oneDNN takes bfloat16, the blocked copy alone, for every
     product (`_blocks_bfloat16`). Otherwise as (in, out) for products of 1-2 rows and, with
     oneDNN, the blocked copy for 3 rows or more.
 
@@ -88,20 +111,23 @@ def transpose_for_cpu(module: nn.Module, keep_weight: bool = False) -> None:
     layers so read (not one weight timed hot in cache), the blocked copies ran 1.1x faster
     than (in, out) at 3 rows, 1.6x at 4 and 8, 1.35x at 32 and level from 256 up, but
     1.15x slower at 2 rows and 1.4x at 1; the packed panels ran level with (in, out) at
-    one row and 1.3-1.6x faster than the blocked copies from 2 to 64 rows. So two copies
-    are kept: twice the linears' memory. The (out, in) weight is dropped unless kept (a
+    one row and 1.3-1.6x faster than the blocked copies from 2 to 64 rows. In bfloat16 over
+    the same 30 layers, one thread, AMX, the packed copies ran 1.1-1.2x faster than
+    oneDNN's blocked ones from 1 to 32 rows (7 alternating rounds), level at 48, and 0.7x
+    at 128. So two copies are kept: twice the linears' memory. The (out, in) weight is dropped unless kept (a
     head tied to the input embedding, whose rows the embedding reads). Call after
     loading weights.
     """
     weight = module.weight.detach()
-    pack = native.pack_linear() if weight.dtype == torch.float32 else None
+    packing = PACKINGS.get(weight.dtype)
+    pack = getattr(native, packing.pack)() if packing is not None else None
     if pack is not None and torch.backends.mkldnn.is_available():
         out_features, in_features = weight.shape
-        module.weight_packed = torch.empty(native.packed_linear_size(out_features, in_features))
+        module.weight_packed = torch.empty(packing.size(out_features, in_features), dtype=weight.dtype)
         pack(weight.contiguous().data_ptr(), out_features, in_features,
              module.weight_packed.data_ptr())
         module.packed_out_features = out_features
-        min_blocked_rows = native.PACKED_MAX_ROWS + 1
+        min_blocked_rows = packing.max_rows + 1
     elif weight.dtype == torch.bfloat16 and _blocks_bfloat16():
         min_blocked_rows = 1  # the blocked copy serves every product; no (in, out) copy
     else:
@@ -168,7 +194,8 @@ def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 def _linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
     packed = getattr(module, "weight_packed", None)
     if packed is not None:
-        kernel = native.packed_linear() if x.shape[0] <= native.PACKED_MAX_ROWS else None
+        packing = PACKINGS[packed.dtype]
+        kernel = getattr(native, packing.multiply)() if x.shape[0] <= packing.max_rows else None
         if kernel is not None:
             return _packed_linear(kernel, x, module, packed, bias)
         # more rows (a prefill), or the kernels off (native.torch_paths_only): the blocked copy
@@ -188,7 +215,7 @@ def _packed_linear(kernel, x: torch.Tensor, module: nn.Module, packed: torch.Ten
         x = x.contiguous()
     rows, in_features = x.shape
     out_features = module.packed_out_features
-    out = torch.empty(rows, out_features)
+    out = torch.empty(rows, out_features, dtype=packed.dtype)
     bias_ptr = None if bias is None else bias.contiguous().data_ptr()
     kernel(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), out_features, in_features,
            bias_ptr, out.data_ptr(), out_features, torch.get_num_threads())

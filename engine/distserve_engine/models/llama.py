@@ -18,6 +18,7 @@ from distserve_engine.kv_cache import KVCache
 from distserve_engine.model_config import ModelConfig
 from distserve_engine.models.base import CausalLM, Loader, copy_into
 from distserve_engine.models.layers import (
+    PACKINGS,
     ColumnParallelLinear,
     RMSNorm,
     RopeTable,
@@ -134,18 +135,20 @@ class LlamaForCausalLM(CausalLM):
 
     def _decode_in_c(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
                      rope: RopeTable) -> bool:
-        """Run a decode step's layers by one C call (`native.llama_decode`: the same kernels
-        the layers call, in the same order), updating hidden in place; False where it does
-        not apply (CUDA, other dtypes, tp > 1, a prefill, more rows than a packed linear
-        takes, a linear without its packed copy) and the layers run one by one."""
-        if (meta.is_context_new or meta.num_queries != 1 or hidden.dtype != torch.float32
+        """Run a decode step's layers by one C call (`native.llama_decode`, or its bfloat16
+        twin on AMX: the same kernels the layers call, in the same order), updating hidden
+        in place; False where it does not apply (CUDA, other dtypes, tp > 1, a prefill, more
+        rows than a packed linear takes, a linear without its packed copy, shapes a
+        bfloat16 kernel refuses) and the layers run one by one."""
+        packing = PACKINGS.get(hidden.dtype)
+        if (meta.is_context_new or meta.num_queries != 1 or packing is None
                 or hidden.device.type != "cpu" or self.state.tp != 1
-                or hidden.shape[0] > native.PACKED_MAX_ROWS or not self.layers):
+                or hidden.shape[0] > packing.max_rows or not self.layers):
             return False
-        kernel = native.llama_decode()
+        kernel = native.llama_decode() if hidden.dtype == torch.float32 else native.llama_decode_bf16()
         if kernel is None:
             return False
-        weights = self._packed_decode_weights()
+        weights = self._packed_decode_weights(hidden.dtype)
         k, v = kv_cache.k, kv_cache.v
         cos, signed_sin = rope
         if weights is None or not (k.is_contiguous() and v.is_contiguous()
@@ -159,21 +162,23 @@ class LlamaForCausalLM(CausalLM):
             k.shape[2], attention.num_heads, attention.num_kv_heads, attention.head_dim,
             self.layers[0].mlp.down_proj.in_features, cos.data_ptr(), signed_sin.data_ptr(),
             attention.scale, torch.get_num_threads())
+        if status == -2:  # a kernel it runs would refuse these shapes: nothing was done
+            return False
         if status != 0:
             raise MemoryError(f"decode step in C: no scratch memory for {hidden.shape[0]} sequences")
         return True
 
-    def _packed_decode_weights(self):
+    def _packed_decode_weights(self, dtype: torch.dtype):
         """Per layer, the 7 pointers `native.llama_decode` reads (norms, packed linears,
-        the qkv bias or NULL), made once; None where a linear has no packed copy or
-        o_proj has a bias."""
+        the qkv bias or NULL), made once; None where a linear has no packed copy of this
+        dtype or o_proj has a bias."""
         if not hasattr(self, "_decode_weights"):
             pointers = []
             for layer in self.layers:
                 attention, mlp = layer.self_attn, layer.mlp
                 linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-                if any(getattr(m, "weight_packed", None) is None for m in linears) or (
-                        attention.o_proj.bias is not None):
+                if any(getattr(m, "weight_packed", None) is None or m.weight_packed.dtype != dtype
+                       for m in linears) or attention.o_proj.bias is not None:
                     self._decode_weights = None
                     return None
                 bias = attention.qkv_proj.bias
