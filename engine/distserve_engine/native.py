@@ -26,6 +26,13 @@ first use.
   pair of panels prefetched while the last block of rows runs: on a Xeon with AVX-512,
   the same linears read cold at 32 rows ran at 57 GMAC/s where the AVX2 build ran 27 and
   MKL 36, and a batch-32 decode step went from level with transformers to 1.74x.
+- `packed_linear_bf16` (with `pack_linear_bf16`): the bfloat16 linears of a decode step,
+  up to `PACKED_MAX_ROWS_BF16` rows, on AMX's tiles (where the CPU has them and Linux
+  grants the process their state), W packed in AMX's pair layout, panels of 16 output
+  features read once front to back, the next pair prefetched. Over SmolLM2's 30 layers
+  read cold, one thread, 1.1-1.2x faster than oneDNN's blocked bfloat16 GEMMs (themselves
+  on AMX) from 1 to 32 rows, level at 48, slower from 128; `llama_decode_bf16` then runs
+  a bfloat16 decode step's layers in one call as `llama_decode` does.
 - `rms_norm`: one call where torch's CPU `rms_norm` runs a dozen operators (17 us a call
   for one row of 576 in a loop, ~100 us inside a decode step).
 - `prefill_attention`: causal attention over a prefill's own new tokens, unpadded,
