@@ -130,8 +130,8 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim of a (B, V) float32 CPU tensor, by the C kernel where
     it is built (`native.argmax_rows`), else torch's."""
     kernel = native.argmax_rows()
-    if (kernel is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1
-            or x.shape[-1] == 0):
+    if (kernel is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
+            or x.stride(-1) != 1 or x.shape[-1] == 0):
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     kernel(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())

@@ -281,6 +281,18 @@ def test_a_bfloat16_linear_on_amx_multiplies_decode_rows_by_its_packed_copy(
 
 
 @needs_compiler
+def test_a_product_the_packed_kernel_refuses_runs_on_the_blocked_copy(monkeypatch):
+    if native.packed_linear_bf16() is None:
+        pytest.skip("this CPU lacks AMX: bfloat16 linears keep oneDNN's blocked copy")
+    module, weight, bias = _loaded_bf16_linear(40, 24, seed=6)
+    refusals = []
+    monkeypatch.setattr(native, "packed_linear_bf16",
+                        lambda: lambda *args: refusals.append(args) or -1)  # as out of memory
+    _assert_bf16_product(module, weight, bias, 3)
+    assert len(refusals) == 1
+
+
+@needs_compiler
 @pytest.mark.parametrize("cols", [1, 15, 16, 49152 + 7])
 def test_row_argmax_in_c_is_torch_argmax_with_its_ties_infinities_and_nans(cols, monkeypatch):
     _, calls = spy_on_kernel(monkeypatch, "argmax_rows")

@@ -114,9 +114,9 @@ def transpose_for_cpu(module: nn.Module, keep_weight: bool = False) -> None:
     one row and 1.3-1.6x faster than the blocked copies from 2 to 64 rows. In bfloat16 over
     the same 30 layers, one thread, AMX, the packed copies ran 1.1-1.2x faster than
     oneDNN's blocked ones from 1 to 32 rows (7 alternating rounds), level at 48, and 0.7x
-    at 128. So two copies are kept: twice the linears' memory. The (out, in) weight is dropped unless kept (a
-    head tied to the input embedding, whose rows the embedding reads). Call after
-    loading weights.
+    at 128. So two copies are kept: twice the linears' memory. The (out, in) weight is
+    dropped unless kept (a head tied to the input embedding, whose rows the embedding
+    reads). Call after loading weights.
     """
     weight = module.weight.detach()
     packing = PACKINGS.get(weight.dtype)
@@ -169,7 +169,8 @@ def _blocks_bfloat16() -> bool:
     bfloat16 copies took 21-23 ms a pass at 1-16 rows and 25-27 at 32, where torch.mm
     from (in, out) copies took 30-50 (it re-packs each weight on every call); the LM head
     2.6-3.1 ms from its blocked copy at 1-8 rows, 7-8 from (in, out). From 2048 rows the
-    two ran level. So bfloat16 keeps the blocked copy only, for every row count.
+    two ran level. So where no packed copy is made (no AMX), bfloat16 keeps the blocked
+    copy only, for every row count.
     """
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
@@ -196,9 +197,11 @@ def _linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None) -> to
     if packed is not None:
         packing = PACKINGS[packed.dtype]
         kernel = getattr(native, packing.multiply)() if x.shape[0] <= packing.max_rows else None
-        if kernel is not None:
-            return _packed_linear(kernel, x, module, packed, bias)
-        # more rows (a prefill), or the kernels off (native.torch_paths_only): the blocked copy
+        out = _packed_linear(kernel, x, module, packed, bias) if kernel is not None else None
+        if out is not None:
+            return out
+        # more rows (a prefill), the kernels off (native.torch_paths_only), or a product
+        # the kernel refused (no scratch memory): the blocked copy
         return torch.ops.mkldnn._linear_pointwise(x, module.weight_blocked, bias, "none", [], "")
     blocked = getattr(module, "weight_blocked", None)
     if blocked is not None and x.shape[0] >= module.blocked_min_rows:
@@ -210,16 +213,18 @@ def _linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None) -> to
 
 
 def _packed_linear(kernel, x: torch.Tensor, module: nn.Module, packed: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
+                   bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x times the packed weight (+ bias) by the C kernel; None where it refused."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, in_features = x.shape
     out_features = module.packed_out_features
     out = torch.empty(rows, out_features, dtype=packed.dtype)
-    bias_ptr = None if bias is None else bias.contiguous().data_ptr()
-    kernel(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), out_features, in_features,
-           bias_ptr, out.data_ptr(), out_features, torch.get_num_threads())
-    return out
+    bias = None if bias is None else bias.contiguous()
+    status = kernel(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), out_features,
+                    in_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                    out_features, torch.get_num_threads())
+    return out if status == 0 else None
 
 
 class RMSNorm(nn.Module):
