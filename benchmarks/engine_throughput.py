@@ -173,6 +173,8 @@ def main() -> None:
     linears, at_batch_rows = layer_linears(runner), sampled_rows_only(runner)
     weight_bytes = runner.model.weight_bytes_read()
     kernels = (" ".join(native.cpu_flags()) or "generic") if native.packed_linear() else "none"
+    if args.dtype == "bfloat16":  # the bfloat16 figures hang on AMX: say whether it ran
+        kernels += ", AMX " + ("on" if native.packed_linear_bf16() else "off")
     print(f"# SmolLM2-135M {args.dtype} CPU ({cpu_model()}, C kernels: {kernels}), torch "
           f"threads={args.threads}, prompt_len={args.prompt_len}, decode steps={args.steps}, "
           f"weights {weight_bytes / 2**20:.0f} MiB, {load()}")
