@@ -53,51 +53,71 @@ static inline float exp_nonpositive(float x) {
     return p * scale.value;
 }
 
+/* bfloat16 is a float32's upper half: widened by a shift, narrowed rounding to nearest
+ * even as torch rounds (a NaN stays a quiet NaN). The `_bf16` kernels below read and
+ * write bfloat16 and compute in float32, rounding once where torch's bfloat16 operators
+ * round after each step. */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float as_float(float x) { return x; }
+
 typedef struct {
-    const float *k_cache, *v_cache;
     int64_t block_size, num_heads, num_kv_heads, head_dim;
     float scale;
 } Cache;
 
-static const float *token_row(const float *cache, const int64_t *table, int64_t t,
-                              const Cache *c, int64_t kv_head) {
-    int64_t slot = table[t / c->block_size] * c->block_size + t % c->block_size;
-    return cache + (slot * c->num_kv_heads + kv_head) * c->head_dim;
-}
-
 static void softmax_in_place(float *row, int64_t len);
 
-/* One sequence: out (num_heads, head_dim) from q (num_heads, head_dim); scores is
- * scratch for (group, len) floats. */
-static void attend_one(const float *q, const int64_t *table, int64_t len, const Cache *c,
-                       float *out, float *scores) {
-    const int64_t group = c->num_heads / c->num_kv_heads, dim = c->head_dim;
-    for (int64_t kv_head = 0; kv_head < c->num_kv_heads; ++kv_head) {
-        const float *q_group = q + kv_head * group * dim;
-        float *o_group = out + kv_head * group * dim;
-        for (int64_t t = 0; t < len; ++t) {
-            const float *k = token_row(c->k_cache, table, t, c, kv_head);
-            for (int64_t g = 0; g < group; ++g) {
-                const float *qg = q_group + g * dim;
-                float dot = 0.f;
-                for (int64_t d = 0; d < dim; ++d) dot += qg[d] * k[d];
-                scores[g * len + t] = dot * c->scale;
-            }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-            softmax_in_place(scores + g * len, len);
-            for (int64_t d = 0; d < dim; ++d) o_group[g * dim + d] = 0.f;
-        }
-        for (int64_t t = 0; t < len; ++t) {
-            const float *v = token_row(c->v_cache, table, t, c, kv_head);
-            for (int64_t g = 0; g < group; ++g) {
-                const float p = scores[g * len + t];
-                float *o = o_group + g * dim;
-                for (int64_t d = 0; d < dim; ++d) o[d] += p * v[d];
-            }
-        }
+/* One sequence: out (num_heads, head_dim, float32) from q (num_heads, head_dim,
+ * float32) over caches of T, each element widened by WIDEN as it is read; scores is
+ * scratch for (group, len) floats. attend_one for float32 caches, attend_one_bf16 for
+ * bfloat16 ones. */
+#define DEFINE_ATTEND_ONE_SCALAR(NAME, T, WIDEN)                                               \
+    static void NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *table, \
+                     int64_t len, const Cache *c, float *out, float *scores) {                 \
+        const int64_t group = c->num_heads / c->num_kv_heads, dim = c->head_dim;               \
+        const int64_t size = c->block_size, stride = c->num_kv_heads * dim;                    \
+        for (int64_t kv_head = 0; kv_head < c->num_kv_heads; ++kv_head) {                      \
+            const float *q_group = q + kv_head * group * dim;                                  \
+            float *o_group = out + kv_head * group * dim;                                      \
+            for (int64_t t = 0; t < len; ++t) {                                                \
+                const T *k = k_cache + (table[t / size] * size + t % size) * stride + kv_head * dim; \
+                for (int64_t g = 0; g < group; ++g) {                                          \
+                    const float *qg = q_group + g * dim;                                       \
+                    float dot = 0.f;                                                           \
+                    for (int64_t d = 0; d < dim; ++d) dot += qg[d] * WIDEN(k[d]);              \
+                    scores[g * len + t] = dot * c->scale;                                      \
+                }                                                                              \
+            }                                                                                  \
+            for (int64_t g = 0; g < group; ++g) {                                              \
+                softmax_in_place(scores + g * len, len);                                       \
+                for (int64_t d = 0; d < dim; ++d) o_group[g * dim + d] = 0.f;                  \
+            }                                                                                  \
+            for (int64_t t = 0; t < len; ++t) {                                                \
+                const T *v = v_cache + (table[t / size] * size + t % size) * stride + kv_head * dim; \
+                for (int64_t g = 0; g < group; ++g) {                                          \
+                    const float p = scores[g * len + t];                                       \
+                    float *o = o_group + g * dim;                                              \
+                    for (int64_t d = 0; d < dim; ++d) o[d] += p * WIDEN(v[d]);                 \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
     }
-}
+
+DEFINE_ATTEND_ONE_SCALAR(attend_one, float, as_float)
+DEFINE_ATTEND_ONE_SCALAR(attend_one_bf16, uint16_t, bf16_to_f32)
 
 /* The vector kernels below are written once for a vector of W floats (the macros
  * DEFINE_*(W)) over these operations, and made for W = 8 (AVX2 and FMA) and, in AVX-512
@@ -314,13 +334,45 @@ static void softmax_in_place(float *row, int64_t len) {
     for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
 }
 
+/* attend##SUFFIX: one sequence's attention over caches of T (float32's, bfloat16's), by
+ * the widest vector loops head_dim allows, else attend_one's scalar loops. */
+#if defined(__AVX512F__)
+#define ATTEND_X16(SUFFIX)                                                                   \
+    if (c->head_dim % 16 == 0) {                                                             \
+        attend_one_x16##SUFFIX(q, k_cache, v_cache, table, len, c, out, scores);             \
+        return;                                                                              \
+    }
+#else
+#define ATTEND_X16(SUFFIX)
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define ATTEND_X8(SUFFIX)                                                                    \
+    if (c->head_dim % 8 == 0) {                                                              \
+        attend_one_x8##SUFFIX(q, k_cache, v_cache, table, len, c, out, scores);              \
+        return;                                                                              \
+    }
+#else
+#define ATTEND_X8(SUFFIX)
+#endif
+#define DEFINE_ATTEND(SUFFIX, T)                                                             \
+    static void attend##SUFFIX(const float *q, const T *k_cache, const T *v_cache,           \
+                               const int64_t *table, int64_t len, const Cache *c, float *out, \
+                               float *scores) {                                              \
+        ATTEND_X16(SUFFIX)                                                                   \
+        ATTEND_X8(SUFFIX)                                                                    \
+        attend_one##SUFFIX(q, k_cache, v_cache, table, len, c, out, scores);                 \
+    }
+
+DEFINE_ATTEND(, float)
+DEFINE_ATTEND(_bf16, uint16_t)
+
 /* Returns 0, or -1 when scratch memory could not be allocated (out is then partial). */
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                      const int64_t *tables, const int64_t *context_lens, int64_t batch,
                      int64_t max_blocks, int64_t block_size, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, float scale, float *out,
                      int num_threads) {
-    const Cache c = {k_cache, v_cache, block_size, num_heads, num_kv_heads, head_dim, scale};
+    const Cache c = {block_size, num_heads, num_kv_heads, head_dim, scale};
     int64_t longest = 0;
     for (int64_t b = 0; b < batch; ++b) longest = context_lens[b] > longest ? context_lens[b] : longest;
     int failed = 0;
@@ -333,46 +385,12 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                 failed = 1;
                 continue;
             }
-#if defined(__AVX512F__)
-            if (head_dim % 16 == 0) {
-                attend_one_x16(q + b * num_heads * head_dim, k_cache, v_cache,
-                               tables + b * max_blocks, context_lens[b], &c,
-                               out + b * num_heads * head_dim, scores);
-                continue;
-            }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-            if (head_dim % 8 == 0) {
-                attend_one_x8(q + b * num_heads * head_dim, k_cache, v_cache,
-                              tables + b * max_blocks, context_lens[b], &c,
-                              out + b * num_heads * head_dim, scores);
-                continue;
-            }
-#endif
-            attend_one(q + b * num_heads * head_dim, tables + b * max_blocks, context_lens[b],
-                       &c, out + b * num_heads * head_dim, scores);
+            attend(q + b * num_heads * head_dim, k_cache, v_cache, tables + b * max_blocks,
+                   context_lens[b], &c, out + b * num_heads * head_dim, scores);
         }
         free(scores);
     }
     return failed ? -1 : 0;
-}
-
-/* bfloat16 is a float32's upper half: widened by a shift, narrowed rounding to nearest
- * even as torch rounds (a NaN stays a quiet NaN). The `_bf16` kernels below read and
- * write bfloat16 and compute in float32, rounding once where torch's bfloat16 operators
- * round after each step. */
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* RMSNorm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, the sum of squares
@@ -394,59 +412,14 @@ static inline uint16_t f32_to_bf16(float f) {
         }                                                                                      \
     }
 
-static inline float as_float(float x) { return x; }
 DEFINE_RMS_NORM(rms_norm_f32, float, as_float, as_float)
 DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 
 /* paged_decode_bf16: paged_decode_f32's attention for bfloat16 q, caches and out, in
- * float32 inside: attend_one_x16_bf16 or _x8_bf16 (each key and value widened as it is
- * loaded) where head_dim is a multiple of the vector, else attend_one_bf16 (attend_one's
- * loops); MAX_BF16_HEAD_DIM floats a head at most, else -2 and torch's path runs. */
+ * float32 inside (`attend_bf16`: each key and value widened as it is loaded); each
+ * sequence's q widened first and its output rounded once. MAX_BF16_HEAD_DIM floats a
+ * head at most, else -2 and torch's path runs. */
 #define MAX_BF16_HEAD_DIM 512
-#if defined(__AVX512F__)
-#define VECTOR_BF16_16 1
-#else
-#define VECTOR_BF16_16 0
-#endif
-
-static void attend_one_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                            const int64_t *table, int64_t len, int64_t block_size,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t dim, float scale,
-                            uint16_t *out, float *scores, float *acc, float *qf) {
-    const int64_t group = num_heads / num_kv_heads;
-    float row[MAX_BF16_HEAD_DIM];
-    for (int64_t i = 0; i < num_heads * dim; ++i) qf[i] = bf16_to_f32(q[i]);
-    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-        for (int64_t t = 0; t < len; ++t) {
-            const int64_t slot = table[t / block_size] * block_size + t % block_size;
-            const uint16_t *k = k_cache + (slot * num_kv_heads + kv_head) * dim;
-            for (int64_t d = 0; d < dim; ++d) row[d] = bf16_to_f32(k[d]);
-            for (int64_t g = 0; g < group; ++g) {
-                const float *qg = qf + (kv_head * group + g) * dim;
-                float dot = 0.f;
-                for (int64_t d = 0; d < dim; ++d) dot += qg[d] * row[d];
-                scores[g * len + t] = dot * scale;
-            }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-            softmax_in_place(scores + g * len, len);
-            for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] = 0.f;
-        }
-        for (int64_t t = 0; t < len; ++t) {
-            const int64_t slot = table[t / block_size] * block_size + t % block_size;
-            const uint16_t *v = v_cache + (slot * num_kv_heads + kv_head) * dim;
-            for (int64_t d = 0; d < dim; ++d) row[d] = bf16_to_f32(v[d]);
-            for (int64_t g = 0; g < group; ++g) {
-                const float p = scores[g * len + t];
-                float *o = acc + g * dim;
-                for (int64_t d = 0; d < dim; ++d) o[d] += p * row[d];
-            }
-        }
-        for (int64_t g = 0; g < group; ++g)
-            for (int64_t d = 0; d < dim; ++d)
-                out[(kv_head * group + g) * dim + d] = f32_to_bf16(acc[g * dim + d]);
-    }
-}
 
 /* Returns 0, -1 when scratch memory could not be allocated (out is then partial), -2
  * when head_dim is over MAX_BF16_HEAD_DIM (nothing written). */
@@ -456,6 +429,7 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
                       int64_t num_kv_heads, int64_t head_dim, float scale, uint16_t *out,
                       int num_threads) {
     if (head_dim > MAX_BF16_HEAD_DIM) return -2;
+    const Cache c = {block_size, num_heads, num_kv_heads, head_dim, scale};
     int64_t longest = 0;
     for (int64_t b = 0; b < batch; ++b) longest = context_lens[b] > longest ? context_lens[b] : longest;
     int failed = 0;
@@ -470,29 +444,12 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
                 failed = 1;
                 continue;
             }
-#if defined(__AVX2__) && defined(__FMA__)
-            const int64_t vector = head_dim % 16 == 0 && VECTOR_BF16_16 ? 16 : head_dim % 8 == 0 ? 8 : 0;
-            if (vector != 0) {
-                const uint16_t *qb = q + b * num_heads * head_dim;
-                uint16_t *ob = out + b * num_heads * head_dim;
-                for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = bf16_to_f32(qb[i]);
-                const Cache c = {NULL, NULL, block_size, num_heads, num_kv_heads, head_dim, scale};
-#if defined(__AVX512F__)
-                if (vector == 16)
-                    attend_one_x16_bf16(qf, k_cache, v_cache, tables + b * max_blocks,
-                                        context_lens[b], &c, acc, scores);
-                else
-#endif
-                    attend_one_x8_bf16(qf, k_cache, v_cache, tables + b * max_blocks,
-                                       context_lens[b], &c, acc, scores);
-                for (int64_t i = 0; i < num_heads * head_dim; ++i) ob[i] = f32_to_bf16(acc[i]);
-                continue;
-            }
-#endif
-            attend_one_bf16(q + b * num_heads * head_dim, k_cache, v_cache,
-                            tables + b * max_blocks, context_lens[b], block_size, num_heads,
-                            num_kv_heads, head_dim, scale, out + b * num_heads * head_dim,
-                            scores, acc, qf);
+            const uint16_t *qb = q + b * num_heads * head_dim;
+            uint16_t *ob = out + b * num_heads * head_dim;
+            for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = bf16_to_f32(qb[i]);
+            attend_bf16(qf, k_cache, v_cache, tables + b * max_blocks, context_lens[b], &c, acc,
+                        scores);
+            for (int64_t i = 0; i < num_heads * head_dim; ++i) ob[i] = f32_to_bf16(acc[i]);
         }
         free(scores);
         free(acc);
@@ -1181,8 +1138,8 @@ static inline __m256i narrow_bf16_16(__m512 x) {
     return _mm512_cvtepi32_epi16(rounded);
 }
 
-/* Rows [first, first + rows) of c, columns [col, col + cols) (cols <= 32), from the
- * float tile rows in sums (32 floats apart), the bias added, rounded to bfloat16. */
+/* `rows` rows of c (ldc apart), their first `cols` columns (cols <= 32), from the float
+ * tile rows in sums (32 floats apart), the bias added, rounded to bfloat16. */
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static void store_bf16_rows(const float *sums, int64_t rows, int64_t cols, const uint16_t *bias,
                             uint16_t *c, int64_t ldc) {

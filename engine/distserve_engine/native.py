@@ -251,8 +251,8 @@ def argmax_rows():
 
 def for_dtype(accessor: str, dtype: torch.dtype):
     """The kernel an accessor of this module hands out for tensors of `dtype`: its own for
-    float32, its `_bf16` twin's for bfloat16 (RMSNorm, SwiGLU, rotary, paged decode);
-    None for another dtype, or where the accessor returns None."""
+    float32, its `_bf16` twin's for bfloat16; None for another dtype, or where the
+    accessor returns None."""
     if dtype == torch.float32:
         return globals()[accessor]()
     if dtype == torch.bfloat16:

@@ -78,20 +78,17 @@ class RowParallelLinear(nn.Module):
 
 @dataclass(frozen=True)
 class Packing:
-    """A dtype's packed weights: `native`'s packing and product accessors, the packed
-    size, and the most rows the product takes (more go to the oneDNN-blocked copy)."""
+    """A dtype's packed weights (`native.for_dtype("pack_linear" | "packed_linear", ...)`):
+    the packed size, and the most rows the product takes (more go to the oneDNN-blocked
+    copy)."""
 
-    pack: str
-    multiply: str
     size: Callable[[int, int], int]
     max_rows: int
 
 
 PACKINGS = {
-    torch.float32: Packing("pack_linear", "packed_linear", native.packed_linear_size,
-                           native.PACKED_MAX_ROWS),
-    torch.bfloat16: Packing("pack_linear_bf16", "packed_linear_bf16",
-                            native.packed_linear_bf16_size, native.PACKED_MAX_ROWS_BF16),
+    torch.float32: Packing(native.packed_linear_size, native.PACKED_MAX_ROWS),
+    torch.bfloat16: Packing(native.packed_linear_bf16_size, native.PACKED_MAX_ROWS_BF16),
 }
 
 
@@ -120,7 +117,7 @@ def transpose_for_cpu(module: nn.Module, keep_weight: bool = False) -> None:
     """
     weight = module.weight.detach()
     packing = PACKINGS.get(weight.dtype)
-    pack = getattr(native, packing.pack)() if packing is not None else None
+    pack = native.for_dtype("pack_linear", weight.dtype)
     if pack is not None and torch.backends.mkldnn.is_available():
         out_features, in_features = weight.shape
         module.weight_packed = torch.empty(packing.size(out_features, in_features), dtype=weight.dtype)
@@ -195,8 +192,8 @@ def linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 def _linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
     packed = getattr(module, "weight_packed", None)
     if packed is not None:
-        packing = PACKINGS[packed.dtype]
-        kernel = getattr(native, packing.multiply)() if x.shape[0] <= packing.max_rows else None
+        is_few = x.shape[0] <= PACKINGS[packed.dtype].max_rows
+        kernel = native.for_dtype("packed_linear", packed.dtype) if is_few else None
         out = _packed_linear(kernel, x, module, packed, bias) if kernel is not None else None
         if out is not None:
             return out

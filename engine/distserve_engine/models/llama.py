@@ -145,7 +145,7 @@ class LlamaForCausalLM(CausalLM):
                 or hidden.device.type != "cpu" or self.state.tp != 1
                 or hidden.shape[0] > packing.max_rows or not self.layers):
             return False
-        kernel = native.llama_decode() if hidden.dtype == torch.float32 else native.llama_decode_bf16()
+        kernel = native.for_dtype("llama_decode", hidden.dtype)
         if kernel is None:
             return False
         weights = self._packed_decode_weights(hidden.dtype)
