@@ -11,7 +11,7 @@ calls through ctypes, which make no operator events: the packed linears, decode
 attention, RMSNorm; a Llama decode step's layers, all in one call) goes to its label;
 "python + alloc" is the step's wall time under the profiler less all of that.
 
-    python benchmarks/engine_profile.py [--threads 1] [--steps 4] [--top 12] [--dtype bfloat16]
+    python benchmarks/engine_profile.py [--threads 1] [--steps 4] [--top 12] [--dtype auto|float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--only", choices=["decode", "prefill"], help="profile one kind of step")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: the engine's choice on this CPU (as it serves)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for entry in LABELLED:

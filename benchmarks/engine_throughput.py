@@ -22,8 +22,11 @@ Each line also prints what it is measured against, timed in the same rounds:
 - mem (batch 1 decode): the rate if a step only read the weights once at the measured
   copy bandwidth (bytes read + written per second of a 256 MiB tensor copy).
 
-    python benchmarks/engine_throughput.py [--dtype float32|bfloat16] [--threads N] [--torch-paths]
-        [--every-row]
+    python benchmarks/engine_throughput.py [--dtype auto|float32|bfloat16] [--threads N]
+        [--torch-paths] [--every-row]
+
+`--dtype auto` (the default) is the engine's own choice on this CPU (`EngineConfig.torch_dtype`:
+bfloat16 where the CPU multiplies it, SmolLM2's weights being quantized); the header names it.
 """
 
 from __future__ import annotations
@@ -155,7 +158,7 @@ def load() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
@@ -168,14 +171,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner = engine_runner(args.dtype)
+    dtype = str(runner.dtype).removeprefix("torch.")
     model = hf_model(runner, runner.dtype)
-    plain = torch_paths_runner(args.dtype) if args.torch_paths else None
+    plain = torch_paths_runner(dtype) if args.torch_paths else None
     linears, at_batch_rows = layer_linears(runner), sampled_rows_only(runner)
     weight_bytes = runner.model.weight_bytes_read()
     kernels = (" ".join(native.cpu_flags()) or "generic") if native.packed_linear() else "none"
-    if args.dtype == "bfloat16":  # the bfloat16 figures hang on AMX: say whether it ran
+    if dtype == "bfloat16":  # the bfloat16 figures hang on AMX: say whether it ran
         kernels += ", AMX " + ("on" if native.packed_linear_bf16() else "off")
-    print(f"# SmolLM2-135M {args.dtype} CPU ({cpu_model()}, C kernels: {kernels}), torch "
+    print(f"# SmolLM2-135M {dtype} ({args.dtype}) CPU ({cpu_model()}, C kernels: {kernels}), torch "
           f"threads={args.threads}, prompt_len={args.prompt_len}, decode steps={args.steps}, "
           f"weights {weight_bytes / 2**20:.0f} MiB, {load()}")
     engine_rates(runner, random_prompts(2, 16, seed=99), 2)  # warm-up

@@ -93,7 +93,8 @@ def load_model_config(ckpt: Checkpoint) -> ModelConfig:
     """Read the architecture from config.json or the GGUF metadata."""
     if ckpt.is_gguf:
         reader = _gguf_reader(ckpt.gguf_path)
-        return ModelConfig.from_gguf(_gguf_metadata(reader), {t.name for t in reader.tensors})
+        return ModelConfig.from_gguf(_gguf_metadata(reader), {t.name for t in reader.tensors},
+                                     gguf_weights_dtype(reader))
     try:
         hf = json.loads((ckpt.folder / "config.json").read_text())
     except json.JSONDecodeError as e:
@@ -152,6 +153,19 @@ def _gguf_reader(path: Path) -> Any:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # the gguf reader raises ValueError/struct errors
         raise CheckpointError(f"cannot read GGUF file {path}: {e}") from e
+
+
+# GGUF tensor types that store plain floats; every other type is a quantized block format.
+GGUF_FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def gguf_weights_dtype(reader: Any) -> str:
+    """The dtype a GGUF stores its weight matrices in: that of its largest tensor
+    ("quantized" for a block format; norms and biases stay F32 in every file)."""
+    largest = max(reader.tensors, key=lambda t: int(t.n_elements), default=None)
+    if largest is None:
+        return "float32"
+    return GGUF_FLOAT_TYPES.get(largest.tensor_type.name, "quantized")
 
 
 def _gguf_metadata(reader: Any) -> dict[str, Any]:

@@ -38,6 +38,9 @@ class ModelConfig:
     word_embed_proj_dim: int = 0  # 0 means hidden_size
     activation: str = "silu"
     eos_token_ids: list[int] = field(default_factory=list)
+    # The dtype the weight matrices are stored in ("float32", "float16", "bfloat16", or
+    # "quantized" for a GGUF's block formats); None where the checkpoint does not say.
+    weights_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -81,6 +84,7 @@ class ModelConfig:
             attention_bias=hf.get("attention_bias", False),
             activation=hf.get("hidden_act", "silu"),
             eos_token_ids=_as_list(hf.get("eos_token_id")),
+            weights_dtype=_hf_dtype(hf),
         )
 
     @classmethod
@@ -101,11 +105,14 @@ class ModelConfig:
             word_embed_proj_dim=hf.get("word_embed_proj_dim") or hf["hidden_size"],
             activation=hf.get("activation_function", "relu"),
             eos_token_ids=_as_list(hf.get("eos_token_id")),
+            weights_dtype=_hf_dtype(hf),
         )
 
     @classmethod
-    def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
-        """Parse GGUF metadata (key -> value) of a llama-architecture file."""
+    def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str],
+                  weights_dtype: str | None = None) -> ModelConfig:
+        """Parse GGUF metadata (key -> value) of a llama-architecture file
+        (`weights_dtype`: as the file's tensor types say, `loader.gguf_weights_dtype`)."""
         gguf_arch = meta.get("general.architecture", "<none>")
         arch = GGUF_ARCH_TO_HF.get(gguf_arch, f"gguf:{gguf_arch}")
         p = f"{gguf_arch}."
@@ -127,9 +134,16 @@ class ModelConfig:
                 rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
                 tie_word_embeddings="output.weight" not in tensor_names,
                 eos_token_ids=_as_list(meta.get("tokenizer.ggml.eos_token_id")),
+                weights_dtype=weights_dtype,
             )
         except KeyError as e:
             raise CheckpointError(f"GGUF metadata: missing key {e.args[0]!r}") from e
+
+
+def _hf_dtype(hf: dict[str, Any]) -> str | None:
+    """config.json's dtype (`torch_dtype`; `dtype` from transformers 5), where it is a name."""
+    value = hf.get("torch_dtype") or hf.get("dtype")
+    return value.removeprefix("torch.") if isinstance(value, str) else None
 
 
 def _as_list(value: Any) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import torch
 
@@ -25,6 +26,7 @@ from distserve_engine.kv_cache import KVBlob, KVCache, KVCacheShape, num_blocks_
 from distserve_engine.loader import iter_weights, load_model_config, resolve_checkpoint
 from distserve_engine.models import build_model
 from distserve_engine.models.base import check_parallel_fits
+from distserve_engine.models.layers import warm_blocked_products
 from distserve_engine.parallel import (
     broadcast_tokens,
     init_parallel,
@@ -45,10 +47,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
         self.device = _rank_device(config, rank)
-        self.dtype = config.torch_dtype
         torch.manual_seed(config.seed)
         ckpt = resolve_checkpoint(config.model)
         self.model_config = load_model_config(ckpt)
+        self.dtype = config.torch_dtype(self.model_config.weights_dtype)
         check_parallel_fits(self.model_config, config.tp, config.pp)  # before joining a group
         self.parallel = init_parallel(config.tp, config.pp, rank, config.dist_init_method,
                                       config.device_type)
@@ -57,6 +59,11 @@ class ModelRunner:
         self.tokenizer = Tokenizer.load(ckpt, self.model_config.eos_token_ids)
         self.model.load_weights(iter_weights(ckpt, self.model_config))
         self.model.eval()
+        if config.prefill_warmup_tokens and self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            started = time.perf_counter()
+            runs = warm_blocked_products(self.model.layers, config.prefill_warmup_tokens)
+            logger.info("built the bfloat16 products of prefills up to %d tokens: %d in %.1f s",
+                        config.prefill_warmup_tokens, runs, time.perf_counter() - started)
         self.max_model_len = min(self.model_config.max_position,
                                  config.max_model_len or self.model_config.max_position)
         self.kv_cache = self._build_kv_cache()

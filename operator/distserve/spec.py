@@ -55,8 +55,9 @@ class ModelSpec(SpecModel):
     )
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
         default="auto",
-        description="Weight and KV dtype; auto is bfloat16 on CUDA and float32 on the CPU (where "
-        "the CPU has AMX, bfloat16 runs its matrix multiplies several times faster).",
+        description="Weight and KV dtype; auto is bfloat16 on CUDA, and on the CPU bfloat16 where "
+        "the checkpoint is half-precision or quantized and the CPU multiplies bfloat16 itself "
+        "(AMX or AVX512-BF16), float32 otherwise.",
     )
     max_model_len: int | None = Field(
         default=None, ge=16, description="Longest prompt plus output accepted, in tokens."

@@ -98,5 +98,5 @@ def smollm2_runner(smollm2_dir: Path):
     from distserve_engine.config import EngineConfig
     from distserve_engine.runner import ModelRunner
 
-    return ModelRunner(EngineConfig(model=str(smollm2_dir), max_model_len=1024,
+    return ModelRunner(EngineConfig(model=str(smollm2_dir), dtype="float32", max_model_len=1024,
                                     kv_cache_bytes=256 << 20))

