@@ -73,9 +73,10 @@ def test_auto_dtype_on_the_cpu_is_bfloat16_for_half_weights_where_the_cpu_multip
 
 def test_a_runner_of_a_bfloat16_checkpoint_runs_in_bfloat16_where_the_cpu_multiplies_it(
         tiny_llama_dir, tmp_path):
+    from transformers import LlamaForCausalLM
+
     from distserve_engine.loader import load_model_config
     from distserve_engine.runner import ModelRunner
-    from transformers import LlamaForCausalLM
 
     assert load_model_config(resolve_checkpoint(str(tiny_llama_dir))).weights_dtype == "float32"
     half = tmp_path / "half"
