@@ -413,3 +413,20 @@ def test_a_bfloat16_prefill_product_meets_onednn_at_a_row_count_in_steps(rows, m
     exact = onednn(x, module.weight_blocked, module.bias, "none", [], "")
     torch.testing.assert_close(out, exact, atol=0, rtol=0)
     _assert_bf16_product(module, weight, bias, rows)
+
+
+def test_warming_runs_each_bfloat16_weight_shape_at_every_padded_row_count_of_the_budget(monkeypatch):
+    if not layers._blocks_bfloat16():
+        pytest.skip("oneDNN takes no bfloat16 blocked weights on this CPU")
+    modules = torch.nn.ModuleList([_loaded_bf16_linear(96, 64, seed=1)[0],
+                                   _loaded_bf16_linear(96, 64, seed=2)[0],  # the same shape
+                                   _loaded_bf16_linear(40, 24, seed=3)[0]])
+    onednn = torch.ops.mkldnn._linear_pointwise
+    met = []
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, w, *args: met.append((tuple(w.shape), x.shape[0])) or onednn(x, w, *args))
+    assert [layers.blocked_rows(n) for n in (64, 65, 80, 81, 100, 1000, 1025, 2049)] == \
+        [64, 80, 80, 96, 112, 1008, 1056, 2112]
+    assert layers.warm_blocked_products(modules, 100) == 6
+    assert sorted(met) == [((40, 24), 80), ((40, 24), 96), ((40, 24), 112),
+                           ((96, 64), 80), ((96, 64), 96), ((96, 64), 112)]

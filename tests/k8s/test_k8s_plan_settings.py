@@ -31,3 +31,11 @@ def test_instance_and_router_settings_name_the_plan_and_its_predictions():
     bare = serve_settings(revision.spec, {"prefill": 1, "decode": 1}, "opt", "/models/x")
     assert bare.to_dict()["plan"] is None
     assert ServeSettings.from_dict(bare.to_dict()).plan_metrics() == {"plan_id": None}
+
+
+def test_every_instance_builds_its_prefill_budgets_products_at_start():
+    revision = make_revision()
+    instance_doc = json.loads(workers.build_engine_config_map_spec(revision)["data"]["serve.json"])
+    budget = revision.spec.planner.max_prefill_tokens or 512
+    assert instance_doc["engine"]["prefill_warmup_tokens"] == instance_doc["max_prefill_tokens"] == budget
+    assert ServeSettings.from_dict(instance_doc).engine.prefill_warmup_tokens == budget
