@@ -232,8 +232,7 @@ def rotary():
 
 
 def swiglu_bf16():
-    """The C in-place SwiGLU of a bfloat16 gate_up product (-1 where a row is wider than
-    it takes), or None (as `swiglu`)."""
+    """The C in-place SwiGLU of a bfloat16 gate_up product, or None (as `swiglu`)."""
     return _kernel("swiglu_bf16")
 
 

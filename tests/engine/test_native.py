@@ -75,7 +75,7 @@ def test_without_a_compiler_decode_falls_back_to_torch_and_says_why(tmp_path, mo
 
 @needs_compiler
 @pytest.mark.parametrize("rows", [1, 7])
-def test_rms_norm_in_c_matches_torch_on_rows_and_strided_views(rows, monkeypatch):
+def test_rms_norm_in_c_matches_torch_on_rows_and_strided_views(rows, monkeypatch, kernel_build):
     _, calls = spy_on_kernel(monkeypatch, "rms_norm")
     torch.manual_seed(rows)
     norm = RMSNorm(576, 1e-5)
@@ -131,7 +131,8 @@ def test_rotary_in_c_matches_the_torch_rotation_and_leaves_v_alone(monkeypatch):
 
 
 @needs_compiler
-def test_bf16_rms_norm_swiglu_and_rotary_in_c_round_once_what_float32_computes(monkeypatch):
+def test_bf16_rms_norm_swiglu_and_rotary_in_c_round_once_what_float32_computes(monkeypatch,
+                                                                              kernel_build):
     """bfloat16 in and out, float32 inside: each kernel's output is the float32 torch
     path's on the same bfloat16 inputs, rounded once to bfloat16 (within that rounding's
     last bit: the sums run in another order)."""
@@ -168,6 +169,22 @@ def test_bf16_rms_norm_swiglu_and_rotary_in_c_round_once_what_float32_computes(m
     torch.testing.assert_close(qk, rotated.to(bf16), **one_rounding)
     assert {name: len(c) for name, c in calls.items()} == {
         "rms_norm_bf16": 2, "swiglu_bf16": 1, "rotary_bf16": 1}
+
+
+@needs_compiler
+@pytest.mark.parametrize("width", [16, 37])  # whole vectors; and a tail past them
+def test_bf16_swiglu_rounds_to_nearest_even_and_keeps_nans_and_infinities(width, kernel_build):
+    torch.manual_seed(width)
+    gate_up = (torch.randn(3, 2 * width) * 8).bfloat16()
+    gate_up[0, :6] = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 90.0])
+    gate_up[1, width:width + 2] = torch.tensor([float("nan"), float("inf")])  # up's
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    with torch.no_grad():
+        expected = (F.silu(gate) * up).bfloat16()
+    out = gate_up.clone()
+    assert native.swiglu_bf16()(out.data_ptr(), out.stride(0), 3, width, 0, 1) == 0
+    torch.testing.assert_close(out[:, :width], expected, atol=0, rtol=2**-7, equal_nan=True)
+    assert torch.equal(out[:, width:].view(torch.int16), gate_up[:, width:].view(torch.int16))
 
 
 def _loaded_linear(out_features: int, in_features: int, bias: bool, seed: int):

@@ -75,10 +75,9 @@ class LlamaMLP(nn.Module):
             # a layer at a 2048-token prefill, a fresh 12 MiB and the copy)
             rows, width, threads = gate_up.shape[0], gate_up.shape[1] // 2, torch.get_num_threads()
             compact = threads == 1
-            if kernel(gate_up.data_ptr(), gate_up.stride(0), rows, width, compact, threads) != -1:
-                hidden = (gate_up.view(-1)[: rows * width].view(rows, width) if compact
-                          else gate_up[:, :width])
-                return self.down_proj(hidden)  # silu(gate) * up
+            kernel(gate_up.data_ptr(), gate_up.stride(0), rows, width, compact, threads)
+            hidden = gate_up.view(-1)[: rows * width].view(rows, width) if compact else gate_up[:, :width]
+            return self.down_proj(hidden)  # silu(gate) * up
         gate, up = gate_up.chunk(2, dim=-1)  # (T, I/tp) each, views
         F.silu(gate, inplace=True)
         return self.down_proj(gate.mul_(up))  # a strided view: the GEMM reads it in place
