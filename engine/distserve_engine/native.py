@@ -46,8 +46,9 @@ first use.
   packed): the kernels above in the order the Python path calls them, so the hidden
   states are the same bit for bit, without the Python and operator dispatch of each
   layer (~0.3 ms a layer, a third of a one-sequence step beside its weights' stream).
-- `swiglu` and `rotary`: a prefill's elementwise steps in one pass each, in place (torch
-  runs silu_ then mul_, and for the rotation a cat, a mul_ and an addcmul_).
+- `swiglu` and `rotary`: a prefill's elementwise steps in one pass each, in place, in the
+  build's widest vectors as `rms_norm` (torch runs silu_ then mul_, and for the rotation a
+  cat, a mul_ and an addcmul_).
 - `argmax_rows`: greedy sampling's argmax over the vocabulary. torch's CPU argmax runs a
   scalar loop: 4.2 ms for 32 rows of 49152 logits on one thread, where its max without
   indices took 0.3.
