@@ -217,8 +217,9 @@ BLOCKED_ROW_STEP_BF16 = 16  # the padding's step up to 1023 rows; it doubles as 
 
 def blocked_rows(rows: int) -> int:
     """The row count a bfloat16 product of `rows` rows runs on: `rows` up to
-    BLOCKED_ROWS_EXACT_BF16, else rounded up to a step of BLOCKED_ROW_STEP_BF16 below 1024
-    rows, of 1/64 of the power of two above them from there (at most ~3% more rows)."""
+    BLOCKED_ROWS_EXACT_BF16; else rounded up to a step of BLOCKED_ROW_STEP_BF16 below 1024
+    rows (at most 15 rows more), and from there to a step of 1/64 of the power of two above
+    them (at most 1/32 more rows)."""
     if rows <= BLOCKED_ROWS_EXACT_BF16:
         return rows
     step = max(BLOCKED_ROW_STEP_BF16, (1 << rows.bit_length()) // 64)
