@@ -428,12 +428,6 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
     return failed ? -1 : 0;
 }
 
-/* RMSNorm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight; rms_norm_f32 for float32
- * rows and weight, rms_norm_bf16 for bfloat16 ones (float32 inside, each result rounded
- * once). x rows are row_stride elements apart; out is contiguous. The sum of squares runs
- * in two accumulators of the widest vectors the build has (in double, one element at a
- * time, where it has none: a chain of dependent adds, ~0.3 ms a layer for a 64 x 32
- * prefill of SmolLM2 where the vectors take a fifth of it). */
 /* VEC_W: the widest vectors of this build (undefined where it has none); VEC_OP(vload,
  * VEC_W) is vload16 or vload8. */
 #if defined(__AVX512F__)
@@ -443,6 +437,13 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
 #endif
 #define VEC_CAT(a, b) a##b
 #define VEC_OP(op, w) VEC_CAT(op, w)
+
+/* RMSNorm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight; rms_norm_f32 for float32
+ * rows and weight, rms_norm_bf16 for bfloat16 ones (float32 inside, each result rounded
+ * once). x rows are row_stride elements apart; out is contiguous. The sum of squares runs
+ * in two accumulators of VEC_W floats (where the build has no vectors, in double, one
+ * element at a time). The norms of a bfloat16 64 x 32 prefill of SmolLM2 took 27 ms
+ * where they took 40 with the double sum and scalar loops (engine_profile.py). */
 #ifdef VEC_W
 #define DEFINE_RMS_NORM(NAME, T, WIDEN, NARROW, LOAD, STORE)                                  \
     void NAME(const T *x, int64_t row_stride, const T *weight, T *out, int64_t rows,          \
@@ -780,9 +781,10 @@ int packed_linear_f32(const float *a, int64_t lda, int64_t m, const float *packe
 static inline float sigmoid_from(float g, float e) { return (g >= 0.f ? 1.f : e) / (1.f + e); }
 
 /* swiglu rows of T (float32's, bfloat16's widened as LOAD loads them and rounded once as
- * STORE stores them): W lanes at a time in the widest vectors the build has (there the
- * gate_up product of a 64 x 32 prefill of SmolLM2 took half the time in 16 lanes that it
- * took in 8), the tail one by one. */
+ * STORE stores them): W lanes at a time in the widest vectors the build has, the tail one
+ * by one. A (2048, 2 x 1536) gate_up product took 1.97 ms in 16 lanes where it took 2.45
+ * in 8 (float32), and 1.76 where 2.62 in bfloat16 (widened into row buffers, then 8
+ * lanes). The division bounds it: a reciprocal estimate would change the results. */
 #define DEFINE_SWIGLU_ROW(NAME, T, WIDEN, NARROW, W, LOAD, STORE)                                \
     static void NAME(const T *gate, const T *up, T *out, int64_t width) {                      \
         int64_t j = 0;                                                                         \

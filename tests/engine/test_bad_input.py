@@ -91,7 +91,8 @@ def test_memory_budget_too_small_for_one_sequence(tiny_llama_dir):
 
 def test_bad_config_values_name_the_field():
     for kwargs, field in [({"device": "tpu"}, "device"), ({"dtype": "float16"}, "dtype"),
-                          ({"block_size": 0}, "block_size"), ({"kv_cache_bytes": 0}, "kv_cache_bytes")]:
+                          ({"block_size": 0}, "block_size"), ({"kv_cache_bytes": 0}, "kv_cache_bytes"),
+                          ({"prefill_warmup_tokens": -1}, "prefill_warmup_tokens")]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(model="x", **kwargs)
 
