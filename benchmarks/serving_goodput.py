@@ -21,6 +21,8 @@ figure is to the steady state.
 
     python benchmarks/serving_goodput.py [--fractions 0.4,0.55,...,1.3] [--requests 60]
         [--ttft-slo S --tpot-slo S]   # fixed SLOs instead of the calibrated ones
+        [--dtype auto|float32|bfloat16]  # the engine's (auto: bfloat16 on a CPU with AMX
+                                         # or AVX512-BF16, as `distserve up` serves)
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ from distserve_engine.config import EngineConfig
 from distserve_engine.runner import ModelRunner
 from distserve_engine.sampling import SamplingParams
 from distserve_engine.sequence import Sequence
-r = ModelRunner(EngineConfig(model=sys.argv[1], max_model_len=2048))
+r = ModelRunner(EngineConfig(model=sys.argv[1], max_model_len=2048, dtype=sys.argv[3]))
+print("dtype", str(r.dtype).removeprefix("torch."), file=sys.stderr)
 n = int(sys.argv[2])
 def seq(i):
     return Sequence(str(i), list(range(1000, 1000 + n)), SamplingParams(max_tokens=64, ignore_eos=True))
@@ -79,13 +82,15 @@ print(json.dumps({"prefill_s": sorted(prefill_s)[1], "decode_s": sorted(decode_s
 """
 
 
-def calibrate(model_path: str) -> tuple[float, float]:
-    """(prefill of a mean prompt, decode step beside it) in seconds, pinned to one core."""
+def calibrate(model_path: str, dtype: str) -> tuple[float, float, str]:
+    """(prefill of a mean prompt, decode step beside it) in seconds, pinned to one core,
+    and the dtype the engine ran."""
     mean_prompt = sum(PROMPT_TOKENS) // 2
-    out = subprocess.run([sys.executable, "-c", CALIBRATE, model_path, str(mean_prompt)],
+    out = subprocess.run([sys.executable, "-c", CALIBRATE, model_path, str(mean_prompt), dtype],
                          capture_output=True, text=True, check=True)
     doc = json.loads(out.stdout.strip().splitlines()[-1])
-    return doc["prefill_s"], doc["decode_s"]
+    ran = [line.split()[1] for line in out.stderr.splitlines() if line.startswith("dtype ")][-1]
+    return doc["prefill_s"], doc["decode_s"], ran
 
 
 def make_requests(rate_rps: float, num: int, seed: int) -> list[Request]:
@@ -162,15 +167,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--ttft-slo", type=float, default=None)
     parser.add_argument("--tpot-slo", type=float, default=None)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="the engine's dtype (auto: its choice on this CPU, as `distserve up`)")
     args = parser.parse_args()
     spec = load_manifest("examples/local.yaml").spec
+    spec.model.dtype = args.dtype
     path = find_model_path(spec)
     print(f"load average before: {os.getloadavg()}; cores: {sorted(os.sched_getaffinity(0))}", flush=True)
-    prefill_s, decode_s = calibrate(path)
+    prefill_s, decode_s, dtype = calibrate(path, args.dtype)
     slo = (args.ttft_slo or TTFT_SCALE * prefill_s, args.tpot_slo or TPOT_SCALE * decode_s)
     rates = [round(float(f) / prefill_s, 3) for f in args.fractions.split(",")]
-    print(f"calibration (one pinned core): prefill of {sum(PROMPT_TOKENS) // 2} tokens {prefill_s:.2f} s, "
-          f"decode step {decode_s:.3f} s")
+    print(f"calibration (one pinned core, {dtype} ({args.dtype})): prefill of "
+          f"{sum(PROMPT_TOKENS) // 2} tokens {prefill_s:.2f} s, decode step {decode_s:.3f} s")
     print(f"SLOs: TTFT <= {slo[0]:.2f} s, TPOT <= {slo[1]:.3f} s, target {TARGET:.0%}; prompts "
           f"{PROMPT_TOKENS} tokens, outputs {OUTPUT_TOKENS}; {args.requests} Poisson requests per rate; "
           f"rates {rates} req/s (= {args.fractions} x 1/P)", flush=True)
