@@ -67,7 +67,6 @@ from distserve_engine.runner import ModelRunner
 from distserve_engine.sampling import SamplingParams
 from distserve_engine.sequence import Sequence
 r = ModelRunner(EngineConfig(model=sys.argv[1], max_model_len=2048, dtype=sys.argv[3]))
-print("dtype", str(r.dtype).removeprefix("torch."), file=sys.stderr)
 n = int(sys.argv[2])
 def seq(i):
     return Sequence(str(i), list(range(1000, 1000 + n)), SamplingParams(max_tokens=64, ignore_eos=True))
@@ -78,7 +77,8 @@ for i in range(3):
     for _ in range(6):
         t = time.perf_counter(); r.decode([s]); decode_s.append(time.perf_counter() - t)
     r.free(s)
-print(json.dumps({"prefill_s": sorted(prefill_s)[1], "decode_s": sorted(decode_s)[len(decode_s) // 2]}))
+print(json.dumps({"prefill_s": sorted(prefill_s)[1], "decode_s": sorted(decode_s)[len(decode_s) // 2],
+                  "dtype": str(r.dtype).removeprefix("torch.")}))
 """
 
 
@@ -89,8 +89,7 @@ def calibrate(model_path: str, dtype: str) -> tuple[float, float, str]:
     out = subprocess.run([sys.executable, "-c", CALIBRATE, model_path, str(mean_prompt), dtype],
                          capture_output=True, text=True, check=True)
     doc = json.loads(out.stdout.strip().splitlines()[-1])
-    ran = [line.split()[1] for line in out.stderr.splitlines() if line.startswith("dtype ")][-1]
-    return doc["prefill_s"], doc["decode_s"], ran
+    return doc["prefill_s"], doc["decode_s"], doc["dtype"]
 
 
 def make_requests(rate_rps: float, num: int, seed: int) -> list[Request]:

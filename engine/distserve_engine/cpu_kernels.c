@@ -371,21 +371,18 @@ static void softmax_in_place(float *row, int64_t len) {
 
 /* attend##SUFFIX: one sequence's attention over caches of T (float32's, bfloat16's), by
  * the widest vector loops head_dim allows, else attend_one's scalar loops. */
-#if defined(__AVX512F__)
-#define ATTEND_X16(SUFFIX)                                                                   \
-    if (c->head_dim % 16 == 0) {                                                             \
-        attend_one_x16##SUFFIX(q, k_cache, v_cache, table, len, c, out, scores);             \
+#define ATTEND_IN(W, SUFFIX)                                                                 \
+    if (c->head_dim % W == 0) {                                                              \
+        attend_one_x##W##SUFFIX(q, k_cache, v_cache, table, len, c, out, scores);            \
         return;                                                                              \
     }
+#if defined(__AVX512F__)
+#define ATTEND_X16(SUFFIX) ATTEND_IN(16, SUFFIX)
 #else
 #define ATTEND_X16(SUFFIX)
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-#define ATTEND_X8(SUFFIX)                                                                    \
-    if (c->head_dim % 8 == 0) {                                                              \
-        attend_one_x8##SUFFIX(q, k_cache, v_cache, table, len, c, out, scores);              \
-        return;                                                                              \
-    }
+#define ATTEND_X8(SUFFIX) ATTEND_IN(8, SUFFIX)
 #else
 #define ATTEND_X8(SUFFIX)
 #endif
@@ -445,47 +442,47 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
  * element at a time). The norms of a bfloat16 64 x 32 prefill of SmolLM2 took 27 ms
  * where they took 40 with the double sum and scalar loops (engine_profile.py). */
 #ifdef VEC_W
+typedef float rms_sum_t;
+#define RMS_SQUARES_VECTORS(LOAD)                                                              \
+    {                                                                                          \
+        VEC_OP(vec, VEC_W) a0 = VEC_OP(vzero, VEC_W)(), a1 = VEC_OP(vzero, VEC_W)();           \
+        for (; d + 2 * VEC_W <= dim; d += 2 * VEC_W) {                                         \
+            const VEC_OP(vec, VEC_W) v0 = VEC_OP(LOAD, VEC_W)(row + d);                        \
+            const VEC_OP(vec, VEC_W) v1 = VEC_OP(LOAD, VEC_W)(row + d + VEC_W);                \
+            a0 = VEC_OP(vfmadd, VEC_W)(v0, v0, a0);                                            \
+            a1 = VEC_OP(vfmadd, VEC_W)(v1, v1, a1);                                            \
+        }                                                                                      \
+        squares = VEC_OP(vsum, VEC_W)(VEC_OP(vadd, VEC_W)(a0, a1));                            \
+    }
+#define RMS_SCALE_VECTORS(LOAD, STORE)                                                         \
+    {                                                                                          \
+        const VEC_OP(vec, VEC_W) inverse_w = VEC_OP(vset, VEC_W)(inverse);                     \
+        for (; d + VEC_W <= dim; d += VEC_W)                                                   \
+            VEC_OP(STORE, VEC_W)(o + d, VEC_OP(vmul, VEC_W)(                                   \
+                VEC_OP(vmul, VEC_W)(VEC_OP(LOAD, VEC_W)(row + d), inverse_w),                  \
+                VEC_OP(LOAD, VEC_W)(weight + d)));                                             \
+    }
+#else
+typedef double rms_sum_t;
+#define RMS_SQUARES_VECTORS(LOAD)
+#define RMS_SCALE_VECTORS(LOAD, STORE)
+#endif
 #define DEFINE_RMS_NORM(NAME, T, WIDEN, NARROW, LOAD, STORE)                                  \
     void NAME(const T *x, int64_t row_stride, const T *weight, T *out, int64_t rows,          \
               int64_t dim, float eps) {                                                        \
         for (int64_t r = 0; r < rows; ++r) {                                                   \
             const T *row = x + r * row_stride;                                                 \
-            VEC_OP(vec, VEC_W) a0 = VEC_OP(vzero, VEC_W)(), a1 = VEC_OP(vzero, VEC_W)(); \
+            rms_sum_t squares = 0;                                                             \
             int64_t d = 0;                                                                     \
-            for (; d + 2 * VEC_W <= dim; d += 2 * VEC_W) {                                   \
-                const VEC_OP(vec, VEC_W) v0 = VEC_OP(LOAD, VEC_W)(row + d);                \
-                const VEC_OP(vec, VEC_W) v1 = VEC_OP(LOAD, VEC_W)(row + d + VEC_W);       \
-                a0 = VEC_OP(vfmadd, VEC_W)(v0, v0, a0);                                      \
-                a1 = VEC_OP(vfmadd, VEC_W)(v1, v1, a1);                                      \
-            }                                                                                  \
-            float squares = VEC_OP(vsum, VEC_W)(VEC_OP(vadd, VEC_W)(a0, a1));              \
-            for (; d < dim; ++d) squares += WIDEN(row[d]) * WIDEN(row[d]);                     \
+            RMS_SQUARES_VECTORS(LOAD)                                                          \
+            for (; d < dim; ++d) squares += (rms_sum_t)WIDEN(row[d]) * WIDEN(row[d]);          \
             const float inverse = (float)(1.0 / sqrt((double)squares / (double)dim + (double)eps)); \
-            const VEC_OP(vec, VEC_W) inverse_w = VEC_OP(vset, VEC_W)(inverse);             \
             T *o = out + r * dim;                                                              \
-            for (d = 0; d + VEC_W <= dim; d += VEC_W)                                        \
-                VEC_OP(STORE, VEC_W)(o + d, VEC_OP(vmul, VEC_W)(                           \
-                    VEC_OP(vmul, VEC_W)(VEC_OP(LOAD, VEC_W)(row + d), inverse_w),          \
-                    VEC_OP(LOAD, VEC_W)(weight + d)));                                       \
+            d = 0;                                                                             \
+            RMS_SCALE_VECTORS(LOAD, STORE)                                                     \
             for (; d < dim; ++d) o[d] = NARROW(WIDEN(row[d]) * inverse * WIDEN(weight[d]));    \
         }                                                                                      \
     }
-#else
-#define DEFINE_RMS_NORM(NAME, T, WIDEN, NARROW, LOAD, STORE)                                  \
-    void NAME(const T *x, int64_t row_stride, const T *weight, T *out, int64_t rows,          \
-              int64_t dim, float eps) {                                                        \
-        for (int64_t r = 0; r < rows; ++r) {                                                   \
-            const T *row = x + r * row_stride;                                                 \
-            double squares = 0.0;                                                              \
-            for (int64_t d = 0; d < dim; ++d)                                                  \
-                squares += (double)WIDEN(row[d]) * WIDEN(row[d]);                              \
-            const float inverse = (float)(1.0 / sqrt(squares / (double)dim + (double)eps));    \
-            T *o = out + r * dim;                                                              \
-            for (int64_t d = 0; d < dim; ++d)                                                  \
-                o[d] = NARROW(WIDEN(row[d]) * inverse * WIDEN(weight[d]));                     \
-        }                                                                                      \
-    }
-#endif
 
 DEFINE_RMS_NORM(rms_norm_f32, float, as_float, as_float, vload, vstore)
 DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, vload_bf16_, vstore_bf16_)
@@ -781,20 +778,31 @@ int packed_linear_f32(const float *a, int64_t lda, int64_t m, const float *packe
 static inline float sigmoid_from(float g, float e) { return (g >= 0.f ? 1.f : e) / (1.f + e); }
 
 /* swiglu rows of T (float32's, bfloat16's widened as LOAD loads them and rounded once as
- * STORE stores them): W lanes at a time in the widest vectors the build has, the tail one
+ * STORE stores them): VEC_W lanes at a time where the build has vectors, the tail one
  * by one. A (2048, 2 x 1536) gate_up product took 1.97 ms in 16 lanes where it took 2.45
  * in 8 (float32), and 1.76 where 2.62 in bfloat16 (widened into row buffers, then 8
  * lanes). The division bounds it: a reciprocal estimate would change the results. */
-#define DEFINE_SWIGLU_ROW(NAME, T, WIDEN, NARROW, W, LOAD, STORE)                                \
+#ifdef VEC_W
+#define SWIGLU_VECTORS(LOAD, STORE)                                                            \
+    {                                                                                          \
+        const VEC_OP(vec, VEC_W) one = VEC_OP(vset, VEC_W)(1.f);                               \
+        for (; j + VEC_W <= width; j += VEC_W) {                                               \
+            const VEC_OP(vec, VEC_W) g = VEC_OP(LOAD, VEC_W)(gate + j);                        \
+            const VEC_OP(vec, VEC_W) e =  /* e^-|g| */                                         \
+                VEC_OP(VEC_OP(exp, VEC_W), _nonpositive)(VEC_OP(vneg_abs, VEC_W)(g));          \
+            const VEC_OP(vec, VEC_W) sig = VEC_OP(vdiv, VEC_W)(                                \
+                VEC_OP(vif_negative, VEC_W)(g, e, one), VEC_OP(vadd, VEC_W)(one, e));          \
+            VEC_OP(STORE, VEC_W)(out + j, VEC_OP(vmul, VEC_W)(VEC_OP(vmul, VEC_W)(g, sig),     \
+                                                              VEC_OP(LOAD, VEC_W)(up + j)));   \
+        }                                                                                      \
+    }
+#else
+#define SWIGLU_VECTORS(LOAD, STORE)
+#endif
+#define DEFINE_SWIGLU_ROW(NAME, T, WIDEN, NARROW, LOAD, STORE)                                  \
     static void NAME(const T *gate, const T *up, T *out, int64_t width) {                      \
         int64_t j = 0;                                                                         \
-        const vec##W one = vset##W(1.f);                                                       \
-        for (; j + W <= width; j += W) {                                                       \
-            const vec##W g = LOAD##W(gate + j);                                                \
-            const vec##W e = exp##W##_nonpositive(vneg_abs##W(g)); /* e^-|g| */                \
-            const vec##W sig = vdiv##W(vif_negative##W(g, e, one), vadd##W(one, e));           \
-            STORE##W(out + j, vmul##W(vmul##W(g, sig), LOAD##W(up + j)));                     \
-        }                                                                                      \
+        SWIGLU_VECTORS(LOAD, STORE)                                                            \
         for (; j < width; ++j) {                                                               \
             const float g = WIDEN(gate[j]), minus = -fabsf(g);                                 \
             const float e = minus < -60.f ? 0.f : exp_nonpositive(minus);                      \
@@ -802,24 +810,8 @@ static inline float sigmoid_from(float g, float e) { return (g >= 0.f ? 1.f : e)
         }                                                                                      \
     }
 
-#if defined(__AVX512F__)
-DEFINE_SWIGLU_ROW(swiglu_row, float, as_float, as_float, 16, vload, vstore)
-DEFINE_SWIGLU_ROW(swiglu_row_bf16, uint16_t, bf16_to_f32, f32_to_bf16, 16, vload_bf16_, vstore_bf16_)
-#elif defined(__AVX2__) && defined(__FMA__)
-DEFINE_SWIGLU_ROW(swiglu_row, float, as_float, as_float, 8, vload, vstore)
-DEFINE_SWIGLU_ROW(swiglu_row_bf16, uint16_t, bf16_to_f32, f32_to_bf16, 8, vload_bf16_, vstore_bf16_)
-#else
-#define DEFINE_SWIGLU_ROW_SCALAR(NAME, T, WIDEN, NARROW)                                        \
-    static void NAME(const T *gate, const T *up, T *out, int64_t width) {                      \
-        for (int64_t j = 0; j < width; ++j) {                                                  \
-            const float g = WIDEN(gate[j]), minus = -fabsf(g);                                 \
-            const float e = minus < -60.f ? 0.f : exp_nonpositive(minus);                      \
-            out[j] = NARROW(g * sigmoid_from(g, e) * WIDEN(up[j]));                            \
-        }                                                                                      \
-    }
-DEFINE_SWIGLU_ROW_SCALAR(swiglu_row, float, as_float, as_float)
-DEFINE_SWIGLU_ROW_SCALAR(swiglu_row_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-#endif
+DEFINE_SWIGLU_ROW(swiglu_row, float, as_float, as_float, vload, vstore)
+DEFINE_SWIGLU_ROW(swiglu_row_bf16, uint16_t, bf16_to_f32, f32_to_bf16, vload_bf16_, vstore_bf16_)
 
 void swiglu_f32(float *x, int64_t row_stride, int64_t rows, int64_t width, int compact,
                 int num_threads) {

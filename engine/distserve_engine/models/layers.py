@@ -253,19 +253,16 @@ def warm_blocked_products(layers: nn.Module, max_rows: int) -> int:
     at every padded row count (`blocked_rows`) that a prefill of up to `max_rows` tokens
     meets, so that oneDNN has built those products before the first request. Returns how
     many products ran."""
-    weights = {}
+    weights = {}  # one blocked weight of each shape
     for module in layers.modules():
         blocked = getattr(module, "weight_blocked", None)
         if blocked is not None and blocked.dtype == torch.bfloat16:
-            weights.setdefault(tuple(blocked.shape), (blocked, module.blocked_min_rows))
+            weights.setdefault(tuple(blocked.shape), blocked)
     counts = sorted({blocked_rows(rows) for rows in range(BLOCKED_ROWS_EXACT_BF16 + 1, max_rows + 1)})
-    runs = 0
-    for (_, in_features), (blocked, min_rows) in weights.items():
-        for rows in counts:
-            if rows >= min_rows:
-                _blocked_linear(torch.zeros(rows, in_features, dtype=torch.bfloat16), blocked, None)
-                runs += 1
-    return runs
+    for (_, in_features), blocked in weights.items():
+        for rows in counts:  # every one past a packed copy's rows and any blocked_min_rows
+            _blocked_linear(torch.zeros(rows, in_features, dtype=torch.bfloat16), blocked, None)
+    return len(weights) * len(counts)
 
 
 def _packed_linear(kernel, x: torch.Tensor, module: nn.Module, packed: torch.Tensor,
