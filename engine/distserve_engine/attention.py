@@ -172,11 +172,12 @@ def _repeat_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def _attend_new(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-    """A prefill over new tokens only: causal attention over the batch's own K/V (the C
-    kernel on the CPU in float32, unpadded; else SDPA over the padded batch)."""
+    """A prefill over new tokens only: causal attention over the batch's own K/V (on the
+    CPU the C kernel, unpadded: float32's, or bfloat16's on AMX's tiles where the CPU has
+    them and the head is one it takes; else SDPA over the padded batch)."""
     num_tokens, num_heads, head_dim = q.shape
-    kernel = native.prefill_attention() if (
-        q.dtype == torch.float32 and q.device.type == "cpu" and head_dim % 8 == 0) else None
+    kernel = native.for_dtype("prefill_attention", q.dtype) if (
+        q.device.type == "cpu" and head_dim % 8 == 0) else None
     if kernel is not None and k.stride(0) == v.stride(0) and all(
             t.stride(-1) == 1 and t.stride(-2) == head_dim for t in (q, k, v)):
         out = q.new_empty(num_tokens, num_heads * head_dim)
@@ -184,10 +185,12 @@ def _attend_new(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attenti
         status = kernel(q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(), lens.shape[0],
                         num_heads, k.shape[1], head_dim, q.stride(0), k.stride(0), scale,
                         out.data_ptr(), torch.get_num_threads())
-        if status != 0:
+        if status == -1:
             raise MemoryError(f"prefill attention: no scratch memory for {lens.shape[0]} "
                               f"sequences of up to {meta.num_queries} tokens")
-        return out
+        if status == 0:
+            return out
+        # -2: a head the kernel does not take (bfloat16's: head_dim a multiple of 32 up to 128)
     out = _sdpa(_padded(q, meta), _padded(k, meta), _padded(v, meta), None, scale)
     return _unpadded(out, meta)
 

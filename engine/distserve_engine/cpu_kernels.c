@@ -1384,8 +1384,276 @@ int packed_linear_bf16(const uint16_t *a, int64_t lda, int64_t m, const uint16_t
     free(padded);
     return failed ? -1 : 0;
 }
+
+/* prefill_attention_bf16: prefill_attention_f32's causal attention (the same arguments,
+ * the same unpadded layout) for bfloat16 q, k, v and out, its two products on AMX's
+ * tiles: head_dim a multiple of 32 up to ATTN_AMX_MAX_HEAD_DIM; -2 (nothing written)
+ * for another head_dim or without AMX, -1 where scratch memory cannot be had.
+ * Per (sequence, KV head): its keys are packed once in AMX's pair layout as the B of
+ * q k^T (tiles of 16 keys by 32 features: each key's consecutive feature pair one
+ * 32-bit word), its values as the B of p v (tiles of 32 keys by 16 features: consecutive
+ * keys' values of a feature paired), zeros past the last key. Then for each query head
+ * of the group, blocks of 16 queries: their scores against the keys up to the block's
+ * last query (16 x 16 tiles, up to 4 accumulating at once), stored as floats; an exact
+ * softmax per query over its own keys in 16-float vectors (softmax_weights_bf16), the
+ * weights rounded to bfloat16 (0 past the query's keys); the weighted values summed on
+ * the tiles (up to 4 panels of 16 features at once) in float32, divided by the weights'
+ * float32 sum and rounded once to bfloat16. Tasks run over `num_threads` OpenMP
+ * threads, each with its own tile configuration. In an AVX2 build it returns -2. */
+#define ATTN_AMX_MAX_HEAD_DIM 128
+/* row strides of the scores (floats) and weights (bfloat16s) of a block for `padded`
+ * keys: a cache line past a multiple of 1 KiB, so that a tile's 16 rows do not all fall
+ * in the same few sets of the L1 cache */
+#define ATTN_SCORE_STRIDE(padded) ((padded) + 16)
+#define ATTN_WEIGHT_STRIDE(padded) ((padded) + 32)
+
+#if defined(__AVX512F__)
+/* 16 rows x 16 columns of 32-bit words at src (rows src_stride words apart; rows past
+ * `rows` read as 0) written transposed: dst row w holds word w of each source row */
+static inline void transpose_words16(const uint32_t *src, int64_t src_stride, int64_t rows,
+                                     uint32_t *dst) {
+    const __m512i index = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)src_stride));
+    const __mmask16 mask = (__mmask16)(rows >= 16 ? 0xffffu : (1u << rows) - 1u);
+    for (int64_t w = 0; w < 16; ++w)
+        _mm512_storeu_si512(dst + w * 16, _mm512_mask_i32gather_epi32(
+                                              _mm512_setzero_si512(), mask, index, src + w, 4));
+}
+
+/* softmax's weights of one row of scores over its first `count` keys, e^(scale (x -
+ * max)), rounded to bfloat16 into weights (AVX512-BF16's conversion: nearest even, as
+ * f32_to_bf16 for every weight there can be, from 1 down to e^-60), 0 from count to the
+ * next multiple of 16 (the scores themselves are left as they are); returns their
+ * float32 sum. The last keys go as one masked vector. */
+__attribute__((target("avx512bf16")))
+static inline float softmax_weights_bf16(const float *row, int64_t count, float scale,
+                                         uint16_t *weights) {
+    const int64_t whole = count / 16 * 16;
+    const __mmask16 tail = (__mmask16)((1u << (count - whole)) - 1u);
+    __m512 top_w = _mm512_mask_loadu_ps(_mm512_set1_ps(-FLT_MAX), tail, row + whole);
+    for (int64_t j = 0; j < whole; j += 16) top_w = _mm512_max_ps(_mm512_loadu_ps(row + j), top_w);
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top_w)), scale_w = _mm512_set1_ps(scale);
+    __m512 total_w = _mm512_setzero_ps();
+    for (int64_t j = 0; j < whole; j += 16) {
+        const __m512 e = exp16_nonpositive(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift), scale_w));
+        total_w = _mm512_add_ps(total_w, e);
+        _mm256_storeu_si256((__m256i *)(weights + j), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    if (tail) {
+        const __m512 x = _mm512_maskz_loadu_ps(tail, row + whole);
+        const __m512 e = _mm512_maskz_mov_ps(tail, exp16_nonpositive(_mm512_mul_ps(_mm512_sub_ps(
+            _mm512_mask_mov_ps(shift, tail, x), shift), scale_w)));
+        total_w = _mm512_add_ps(total_w, e);
+        _mm256_storeu_si256((__m256i *)(weights + whole), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    return _mm512_reduce_add_ps(total_w);
+}
+
+/* one (sequence, KV head): see prefill_attention_bf16. kp, vp, scores, probs, qbuf and
+ * sums are the thread's scratch, sized for `padded` keys (a multiple of 32). */
+__attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+static void amx_attend_kv_head(const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                               const uint16_t *v, int64_t kv_stride, int64_t len,
+                               int64_t first_head, int64_t group, int64_t head_dim, float scale,
+                               uint16_t *out, int64_t out_stride, int64_t padded, uint16_t *kp,
+                               uint16_t *vp, float *scores, uint16_t *probs, uint16_t *qbuf,
+                               float *sums) {
+    const int64_t chunks = head_dim / 32, panels = head_dim / 16;
+    const int64_t key_tiles = (len + 15) / 16, key_chunks = (len + 31) / 32;
+    for (int64_t t = 0; t < key_tiles; ++t)  /* keys: tile (t, c) = 16 pairs x 16 keys */
+        for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t rows = len - t * 16 < 16 ? len - t * 16 : 16;
+            transpose_words16((const uint32_t *)(k + t * 16 * kv_stride + c * 32), kv_stride / 2,
+                              rows, (uint32_t *)(kp + (t * chunks + c) * 512));
+        }
+    for (int64_t j = 0; j < key_chunks; ++j)  /* values: tile (j, p) = 16 key pairs x 16 features */
+        for (int64_t p = 0; p < panels; ++p) {
+            uint16_t *tile = vp + (j * panels + p) * 512;
+            for (int64_t i = 0; i < 16; ++i) {  /* keys 2i and 2i + 1's 16 features interleaved */
+                const int64_t key = j * 32 + 2 * i;
+                const __m512i even = key < len ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                    (const __m256i *)(v + key * kv_stride + p * 16))) : _mm512_setzero_si512();
+                const __m512i odd = key + 1 < len ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                    (const __m256i *)(v + (key + 1) * kv_stride + p * 16))) : _mm512_setzero_si512();
+                _mm512_storeu_si512(tile + i * 32, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+            }
+        }
+    for (int64_t head = first_head; head < first_head + group; ++head) {
+        for (int64_t i0 = 0; i0 < len; i0 += 16) {
+            const int64_t rows = len - i0 < 16 ? len - i0 : 16, keys = i0 + rows;
+            const uint16_t *a = q + i0 * q_stride + head * head_dim;
+            int64_t a_stride = q_stride;
+            if (rows < 16) {  /* a last partial block: its rows padded with zeros */
+                memset(qbuf, 0, sizeof(uint16_t) * 16 * (size_t)head_dim);
+                for (int64_t r = 0; r < rows; ++r)
+                    memcpy(qbuf + r * head_dim, a + r * q_stride, sizeof(uint16_t) * (size_t)head_dim);
+                a = qbuf;
+                a_stride = head_dim;
+            }
+            const int64_t tiles = (keys + 15) / 16, stride_s = ATTN_SCORE_STRIDE(padded);
+            for (int64_t t = 0; t < tiles; t += 4) {  /* scores, 4 key tiles at a time */
+                const int64_t nt = tiles - t < 4 ? tiles - t : 4;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t c = 0; c < chunks; ++c) {
+                    _tile_loadd(4, a + c * 32, a_stride * 2);
+                    const uint16_t *b = kp + (t * chunks + c) * 512;
+                    _tile_loadd(5, b, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (nt > 1) {
+                        _tile_loadd(6, b + chunks * 512, 64);
+                        _tile_dpbf16ps(1, 4, 6);
+                    }
+                    if (nt > 2) {
+                        _tile_loadd(5, b + 2 * chunks * 512, 64);
+                        _tile_dpbf16ps(2, 4, 5);
+                    }
+                    if (nt > 3) {
+                        _tile_loadd(6, b + 3 * chunks * 512, 64);
+                        _tile_dpbf16ps(3, 4, 6);
+                    }
+                }
+                _tile_stored(0, scores + t * 16, stride_s * 4);
+                if (nt > 1) _tile_stored(1, scores + (t + 1) * 16, stride_s * 4);
+                if (nt > 2) _tile_stored(2, scores + (t + 2) * 16, stride_s * 4);
+                if (nt > 3) _tile_stored(3, scores + (t + 3) * 16, stride_s * 4);
+            }
+            const int64_t width = (keys + 31) / 32 * 32;  /* the weights' columns */
+            float inverse[16];
+            for (int64_t r = 0; r < 16; ++r) {
+                uint16_t *weights = probs + r * ATTN_WEIGHT_STRIDE(padded);
+                const int64_t count = r < rows ? i0 + r + 1 : 0;
+                if (count > 0)
+                    inverse[r] = 1.f / softmax_weights_bf16(scores + r * stride_s, count, scale, weights);
+                const int64_t written = (count + 15) / 16 * 16;
+                memset(weights + written, 0, sizeof(uint16_t) * (size_t)(width - written));
+            }
+            for (int64_t p = 0; p < panels; p += 4) {  /* the values, 4 panels at a time */
+                const int64_t np = panels - p < 4 ? panels - p : 4;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t j = 0; j < width / 32; ++j) {
+                    _tile_loadd(4, probs + j * 32, ATTN_WEIGHT_STRIDE(padded) * 2);
+                    const uint16_t *b = vp + (j * panels + p) * 512;
+                    _tile_loadd(5, b, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (np > 1) {
+                        _tile_loadd(6, b + 512, 64);
+                        _tile_dpbf16ps(1, 4, 6);
+                    }
+                    if (np > 2) {
+                        _tile_loadd(5, b + 1024, 64);
+                        _tile_dpbf16ps(2, 4, 5);
+                    }
+                    if (np > 3) {
+                        _tile_loadd(6, b + 1536, 64);
+                        _tile_dpbf16ps(3, 4, 6);
+                    }
+                }
+                _tile_stored(0, sums + p * 16, head_dim * 4);
+                if (np > 1) _tile_stored(1, sums + (p + 1) * 16, head_dim * 4);
+                if (np > 2) _tile_stored(2, sums + (p + 2) * 16, head_dim * 4);
+                if (np > 3) _tile_stored(3, sums + (p + 3) * 16, head_dim * 4);
+            }
+            for (int64_t r = 0; r < rows; ++r) {
+                const __m512 inv = _mm512_set1_ps(inverse[r]);
+                uint16_t *o = out + (i0 + r) * out_stride + head * head_dim;
+                for (int64_t d = 0; d < head_dim; d += 16)
+                    vstore_bf16_16(o + d, _mm512_mul_ps(_mm512_loadu_ps(sums + r * head_dim + d), inv));
+            }
+        }
+    }
+}
+
+/* this thread's share of the (sequence, KV head) tasks, on its own tile configuration
+ * (an orphaned OpenMP loop: called inside prefill_attention_bf16's parallel region) */
+__attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+static void amx_attend_tasks(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                             const int64_t *lens, const int64_t *firsts, int64_t batch,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t q_stride, int64_t kv_stride, float scale, uint16_t *out,
+                             int64_t padded, uint16_t *kp, uint16_t *vp, float *scores,
+                             uint16_t *probs, uint16_t *qbuf, float *sums) {
+    const int64_t group = num_heads / num_kv_heads;
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < batch * num_kv_heads; ++task) {
+        const int64_t b = task / num_kv_heads, g = task % num_kv_heads, first = firsts[b];
+        amx_attend_kv_head(q + first * q_stride, q_stride, k + first * kv_stride + g * head_dim,
+                           v + first * kv_stride + g * head_dim, kv_stride, lens[b], g * group,
+                           group, head_dim, scale, out + first * num_heads * head_dim,
+                           num_heads * head_dim, padded, kp, vp, scores, probs, qbuf, sums);
+    }
+    _tile_release();
+}
+
+
+int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                           const int64_t *lens, int64_t batch, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t q_stride,
+                           int64_t kv_stride, float scale, uint16_t *out, int num_threads) {
+    if (!packed_linear_bf16_supported() || !__builtin_cpu_supports("avx512bf16")
+        || head_dim % 32 != 0 || head_dim > ATTN_AMX_MAX_HEAD_DIM
+        || q_stride % 2 != 0 || kv_stride % 2 != 0)
+        return -2;
+    int64_t longest = 0, *firsts = malloc(sizeof(int64_t) * (batch > 0 ? batch : 1));
+    if (firsts == NULL) return -1;
+    for (int64_t b = 0, first = 0; b < batch; first += lens[b], ++b) {
+        firsts[b] = first;
+        longest = lens[b] > longest ? lens[b] : longest;
+    }
+    const int64_t padded = (longest + 31) / 32 * 32;
+    const size_t keys_size = (size_t)(padded * head_dim);  /* bfloat16s of packed keys (or values) */
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed) if (num_threads > 1)
+    {
+        uint16_t *kp = malloc(sizeof(uint16_t) * (2 * keys_size + 16 * (size_t)ATTN_WEIGHT_STRIDE(padded)
+                                                  + 16 * (size_t)head_dim));
+        float *scores = malloc(sizeof(float) * (16 * (size_t)ATTN_SCORE_STRIDE(padded) + 16 * (size_t)head_dim));
+        if (kp == NULL || scores == NULL) {
+            failed = 1;
+        } else {
+            uint16_t *vp = kp + keys_size, *probs = vp + keys_size;
+            uint16_t *qbuf = probs + 16 * ATTN_WEIGHT_STRIDE(padded);
+            float *sums = scores + 16 * ATTN_SCORE_STRIDE(padded);
+            amx_attend_tasks(q, k, v, lens, firsts, batch, num_heads, num_kv_heads, head_dim,
+                             q_stride, kv_stride, scale, out, padded, kp, vp, scores, probs,
+                             qbuf, sums);
+        }
+        free(kp);
+        free(scores);
+    }
+    free(firsts);
+    return failed ? -1 : 0;
+}
+#else
+int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                           const int64_t *lens, int64_t batch, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t q_stride,
+                           int64_t kv_stride, float scale, uint16_t *out, int num_threads) {
+    return -2;
+}
+#endif
 #else
 int packed_linear_bf16_supported(void) { return 0; }
+int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                           const int64_t *lens, int64_t batch, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t q_stride,
+                           int64_t kv_stride, float scale, uint16_t *out, int num_threads) {
+    return -2;
+}
 int packed_linear_bf16(const uint16_t *a, int64_t lda, int64_t m, const uint16_t *packed,
                        int64_t n, int64_t k, const uint16_t *bias, uint16_t *c, int64_t ldc,
                        int num_threads) {

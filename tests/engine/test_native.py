@@ -352,6 +352,56 @@ def test_prefill_attention_in_c_matches_sdpa(lens, num_heads, num_kv_heads, head
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def _bf16_prefill_batch(lens, num_heads, num_kv_heads, head_dim, seed):
+    """q, k, v (bfloat16 views of one fused qkv, as the model's projection gives them) and
+    the metadata of a prefill of new sequences of these lengths."""
+    torch.manual_seed(seed)
+    num_tokens = sum(lens)
+    qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim) * 2).bfloat16()
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    tables = [list(range(-(-n // 16))) for n in lens]
+    return q, k, v, build_metadata([0] * len(lens), lens, tables, 16, torch.device("cpu"))
+
+
+@needs_compiler
+@pytest.mark.parametrize(("lens", "num_heads", "num_kv_heads", "head_dim"), [
+    ([5, 17, 1, 40], 9, 3, 64),  # SmolLM2's heads; partial blocks of queries and tiles of keys
+    ([64, 64], 9, 3, 64),  # equal lengths
+    ([300, 33], 8, 8, 128),  # one head per KV head, the widest head taken; keys past 4 tiles
+    ([50, 2], 4, 2, 32),  # the narrowest head taken
+])
+def test_bf16_prefill_attention_on_amx_is_float32_attention_rounded(
+        lens, num_heads, num_kv_heads, head_dim, monkeypatch):
+    if native.prefill_attention_bf16() is None:
+        pytest.skip("this CPU lacks AMX: a bfloat16 prefill attends with SDPA")
+    q, k, v, meta = _bf16_prefill_batch(lens, num_heads, num_kv_heads, head_dim, seed=head_dim)
+    with native.torch_paths_only():  # SDPA in float32 on the same bfloat16 inputs
+        expected = attention_module._attend_new(q.float(), k.float(), v.float(), meta,
+                                                head_dim**-0.5)
+    _, calls = spy_on_kernel(monkeypatch, "prefill_attention_bf16")
+    out = attention_module._attend_new(q, k, v, meta, head_dim**-0.5)
+    assert len(calls) == 1 and out.dtype == torch.bfloat16
+    assert out.shape == (sum(lens), num_heads * head_dim)
+    # the softmax weights go to the tiles in bfloat16: a rounding or two from float32's
+    torch.testing.assert_close(out.float(), expected, atol=2**-7, rtol=2**-6)
+
+
+@needs_compiler
+def test_bf16_prefill_attention_of_a_head_the_kernel_refuses_runs_sdpa(monkeypatch):
+    if native.prefill_attention_bf16() is None:
+        pytest.skip("this CPU lacks AMX: a bfloat16 prefill attends with SDPA")
+    q, k, v, meta = _bf16_prefill_batch([9, 20], 4, 2, 80, seed=3)  # 80: not a multiple of 32
+    with native.torch_paths_only():
+        expected = attention_module._attend_new(q, k, v, meta, 80**-0.5)
+    _, calls = spy_on_kernel(monkeypatch, "prefill_attention_bf16")
+    out = attention_module._attend_new(q, k, v, meta, 80**-0.5)
+    assert len(calls) == 1  # asked, refused (-2), and SDPA ran
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
 @needs_compiler
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [
     (9, 3, 64),  # SmolLM2's heads: 16-float vectors where the build is AVX-512's
