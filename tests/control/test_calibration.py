@@ -79,6 +79,19 @@ def test_the_engine_threads_time_between_runner_calls_counts_as_the_iterations()
     assert "decode x1.25" in fit.describe() and "20% of the time between runner calls" in fit.describe()
 
 
+def test_the_fit_says_how_much_of_its_calls_the_runner_held_its_core():
+    _, shape, ctx = deployment(0)
+    runner = timed(ctx, "disaggregated", "prefill", PREFILL_BATCHES, 1.25)
+    on_core = [dataclasses.replace(i, cpu_s=0.8 * i.seconds) for i in runner]
+    fit = fit_iterations(ctx, shape, {"prefill-0": on_core})
+    prefill = next(f for f in fit.phases if f.phase == "prefill")
+    assert prefill.runner_cpu_s == pytest.approx(0.8 * prefill.runner_s)
+    assert "prefill x1.25" in fit.describe()
+    assert "the runner on its core 80% of its calls' time" in fit.describe()
+    # iterations from an instance that did not time their CPU say nothing of it
+    assert "on its core" not in fit_iterations(ctx, shape, {"prefill-0": runner}).describe()
+
+
 def test_the_ratio_weighs_each_iteration_by_its_time():
     _, shape, ctx = deployment(0)
     short, long = timed(ctx, "disaggregated", "prefill", [(32,)], 2.0), \

@@ -102,6 +102,29 @@ def test_the_overhead_before_a_call_counts_from_the_last_call_or_the_wake_up():
     assert Iteration.from_dict(busy.to_dict()) == busy
 
 
+def test_a_call_keeps_the_engine_threads_cpu_time_beside_its_wall_time():
+    from distserve_engine.instance.iterations import IterationLog
+
+    now, cpu = [0.0], [0.0]
+    log = IterationLog(clock=lambda: now[0], cpu_clock=lambda: cpu[0])
+
+    def runner_call(seconds: float, on_core_s: float):
+        def call():
+            now[0] += seconds
+            cpu[0] += on_core_s  # the rest of the call the thread waited for its core
+        return call
+
+    log.run("prefill", [40], runner_call(0.5, 0.4))
+    item, = log.recent()
+    assert (item.seconds, item.cpu_s) == pytest.approx((0.5, 0.4))
+    assert Iteration.from_dict(item.to_dict()) == item
+    # measured for real: a call that computes holds its thread's CPU for about its time
+    real = IterationLog()
+    real.run("decode", [3], lambda: sum(i * i for i in range(200_000)))
+    measured, = real.recent()
+    assert 0 < measured.cpu_s <= measured.seconds * 1.05 + 1e-3
+
+
 def test_an_iteration_document_names_what_is_wrong():
     good = {"kind": "decode", "started_s": 1.0, "seconds": 0.05, "lens": [12, 30]}
     assert Iteration.from_dict(good) == Iteration("decode", 1.0, 0.05, (12, 30))

@@ -36,6 +36,10 @@ class Iteration:
     # the engine thread's time before the call since the last call ended (or since it woke
     # from waiting for work): commands, scheduling, KV imports, emitting the last tokens
     overhead_s: float = 0.0
+    # the engine thread's CPU time during the runner call (None: not measured); below
+    # `seconds` by the time the thread waited for its core (other threads and processes
+    # on it: the instance's HTTP threads, KV exports, the router, the clients)
+    cpu_s: float | None = None
 
     @property
     def busy_s(self) -> float:
@@ -53,8 +57,10 @@ class Iteration:
             kind = doc["kind"]
             if kind not in KINDS:
                 raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+            cpu_s = doc.get("cpu_s")
             return cls(kind, float(doc["started_s"]), float(doc["seconds"]),
-                       tuple(int(n) for n in doc["lens"]), float(doc.get("overhead_s", 0.0)))
+                       tuple(int(n) for n in doc["lens"]), float(doc.get("overhead_s", 0.0)),
+                       None if cpu_s is None else float(cpu_s))
         except (KeyError, TypeError) as err:
             raise ValueError(f"an iteration needs kind, started_s, seconds and lens: {err}") from err
 
@@ -64,10 +70,13 @@ class IterationLog:
     by any thread)."""
 
     def __init__(self, maxlen: int = ITERATION_HISTORY,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
         self._items: deque[Iteration] = deque(maxlen=maxlen)
         self._lock = threading.Lock()
         self._clock = clock  # durations (the start is wall clock, comparable across processes)
+        # the calling thread's CPU time (with more torch threads than one, this one's only)
+        self._cpu_clock = cpu_clock
         self._free_since = clock()  # the last call ended, or the thread woke
 
     def woke(self) -> None:
@@ -79,11 +88,12 @@ class IterationLog:
         its time and the overhead before it, return what it returns. A call that raises
         is not kept."""
         started_s = time.time()
-        started = self._clock()
+        started, cpu_started = self._clock(), self._cpu_clock()
         overhead_s = started - self._free_since
         result = call()
+        cpu_s = self._cpu_clock() - cpu_started
         self._free_since = ended = self._clock()
-        item = Iteration(kind, started_s, ended - started, tuple(lens), overhead_s)
+        item = Iteration(kind, started_s, ended - started, tuple(lens), overhead_s, cpu_s)
         with self._lock:
             self._items.append(item)
         return result
