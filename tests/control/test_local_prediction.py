@@ -38,6 +38,19 @@ def test_each_request_alone_waits_only_for_its_own_prefill(instances, serving_mo
     assert summary.rate_rps == 0.02
 
 
+@pytest.mark.parametrize("instances", [{"prefill": 1, "decode": 1}, {"colocated": 2}])
+def test_a_burst_past_the_routers_waiting_limit_is_predicted_refused_as_it_is_served(instances):
+    spec = load_manifest(EXAMPLES / "local.yaml").spec
+    settings = serve_settings(spec, instances, "test", "/model")
+    ctx = engine_context(build_context(spec), settings)
+    assert ctx.max_waiting_requests == settings.max_waiting_requests
+    limit = settings.max_waiting_requests
+    requests = [Request(i, i * 1e-4, 400, 4) for i in range(limit + 5)]  # faster than a prefill
+    summary = predict_run(ctx, LocalShape.from_settings(settings), requests, 1e4)
+    assert summary.num_errors == 5  # the 429s a client of the router gets
+    assert summary.attainment <= limit / (limit + 5)
+
+
 def make_mixed_plan() -> Plan:
     """prefill: one tp1 pp1 instance, then one tp1 pp2; decode: one tp1 pp1 (one node)."""
     segments = (SegmentPlacement("prefill", 0, 0, "node-0", (0,)),

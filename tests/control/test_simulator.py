@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sim_factories import make_instance, make_trace
 
-from distserve.simulator import SLO, TransferModel, simulate_colocated, simulate_disaggregated
+from distserve.simulator import SLO, Trace, TransferModel, simulate_colocated, simulate_disaggregated
 
 PROMPT = 512
 D_S = 0.1  # execution time of one 512-token prompt on one GPU (prefill_s_per_token * 512)
@@ -191,3 +191,28 @@ def test_deep_decode_pipelines_short_of_kv_keep_their_results(pp, kv_capacity_to
     assert float(np.sum(result.tpot_s)) == pytest.approx(tpot_sum_s, rel=1e-9)
     assert float(np.percentile(result.tpot_s, 90)) == pytest.approx(tpot_p90_s, rel=1e-9)
     assert result.duration_s == pytest.approx(duration_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("engine", ["disaggregated", "colocated"])
+def test_the_router_refuses_arrivals_while_its_limit_of_requests_wait_for_a_first_token(engine):
+    """As the engine's router answers 429: ten requests in one burst against a limit of
+    four are four served and six refused (never served, failures); one arriving after
+    the burst's first tokens is served."""
+    burst = np.arange(10) * 1e-3
+    trace = Trace(np.append(burst, 10.0), np.full(11, PROMPT, np.int64), np.full(11, 4, np.int64))
+    instance = make_instance(prefill_s_per_token=D_S / PROMPT, decode_base_s=0.01)
+    if engine == "disaggregated":
+        result = simulate_disaggregated(trace, [instance], [instance], transfer=None,
+                                        max_prefill_tokens=PROMPT, max_waiting=4)
+        unlimited = simulate_disaggregated(trace, [instance], [instance], transfer=None,
+                                           max_prefill_tokens=PROMPT)
+    else:
+        result = simulate_colocated(trace, [instance], max_batch_tokens=PROMPT, max_waiting=4)
+        unlimited = simulate_colocated(trace, [instance], max_batch_tokens=PROMPT)
+    served = ~np.isnan(result.ttft_s)
+    assert result.num_refused == 6 and served.tolist() == [True] * 4 + [False] * 6 + [True]
+    assert np.isnan(result.tpot_s[~served]).all()
+    assert result.attainment(SLO(100.0, 100.0, 0.9)) == pytest.approx(5 / 11)
+    # the refused shed their load: the last request is served as soon as without them
+    assert unlimited.num_refused == 0 and not np.isnan(unlimited.ttft_s).any()
+    assert result.ttft_s[-1] <= unlimited.ttft_s[-1]

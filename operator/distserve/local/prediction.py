@@ -5,7 +5,9 @@ hold the simulator to what they measured, it replays exactly what they sent (eve
 request's prompt and output length and its arrival time) on the deployment's instances
 (each prefill and decode instance with its own tp and pp, so a mixed plan is simulated
 whole, as the search's sizing does; or N colocated) with the engine's limits as the
-settings give them (Lm, decode batch size), timed by the latency profile the planner used.
+settings give them (Lm, decode batch size, and the router's limit of requests waiting for
+their first token: past it a request is refused on arrival, a 429 to its client and an
+error to both sides), timed by the latency profile the planner used.
 NOTE: a colocated instance of the engine prefills up to Lm tokens per iteration, so the
 simulated one is given that budget (the planner's baselines assume a larger one).
 """
@@ -78,9 +80,11 @@ class LocalShape:
 
 
 def engine_context(ctx: SearchContext, settings: ServeSettings) -> SearchContext:
-    """The planner's context with the engine's limits from the serving settings."""
+    """The planner's context with the engine's limits from the serving settings (the
+    router's refusal beyond `max_waiting_requests` waiting for their first token too)."""
     return dataclasses.replace(ctx, max_prefill_tokens=settings.max_prefill_tokens,
-                               max_decode_batch=settings.max_decode_batch)
+                               max_decode_batch=settings.max_decode_batch,
+                               max_waiting_requests=settings.max_waiting_requests)
 
 
 def simulate_shape(ctx: SearchContext, shape: LocalShape, trace: Trace,

@@ -65,6 +65,10 @@ class SearchContext:
     # of such a deployment does (`plan.is_low_affinity`)
     can_decode_across_nodes: bool = True
     correction: Correction = Correction()  # per-phase factors fitted on a running deployment
+    # the router's limit of requests waiting for their first token, beyond which it
+    # refuses (a running deployment's, for predictions of it); None: no limit, as the
+    # search sizes a plan for its rate
+    max_waiting_requests: int | None = None
 
     def trial_trace(self, rate_rps: float) -> Trace:
         """The requests of one trial at rate_rps.
@@ -177,6 +181,7 @@ def simulate_unit(
         max_prefill_tokens=[prefill_tokens(ctx, c) for c in every.prefill],
         max_decode_batch=ctx.max_decode_batch,
         can_decode_across_nodes=ctx.can_decode_across_nodes,
+        max_waiting=ctx.max_waiting_requests,
     )
 
 
@@ -198,7 +203,7 @@ def simulate_baseline(
         trace, [model] * instances, slo=slo,
         chunk_size=ctx.chunk_size if name == "chunked_prefill" else None,
         max_batch_tokens=max_batch_tokens or max(2048, prefill_tokens(ctx, config)),
-        max_batch=ctx.max_decode_batch,
+        max_batch=ctx.max_decode_batch, max_waiting=ctx.max_waiting_requests,
     )
 
 

@@ -198,9 +198,10 @@ class _Lane:
 
 
 class _Sim:
-    def __init__(self, trace: Trace, slo: SLO | None, max_batch_tokens: int) -> None:
+    def __init__(self, trace: Trace, slo: SLO | None, max_batch_tokens: int,
+                 max_waiting: int | None = None) -> None:
         self.loop = EventLoop()
-        self.rec = Recorder(trace, slo, self.loop)
+        self.rec = Recorder(trace, slo, self.loop, max_waiting)
         self.prompt = trace.prompt_tokens.tolist()
         self.output = trace.output_tokens.tolist()
         self.held = list(self.prompt)  # tokens a request's next prefill computes
@@ -210,6 +211,8 @@ class _Sim:
         self.instances: list[_Instance] = []
 
     def arrive(self, rid: int) -> None:
+        if not self.rec.admit(rid):
+            return
         instance = min(self.instances, key=lambda i: (i.num_outstanding_tokens, i.num_outstanding))
         instance.num_outstanding += 1
         instance.num_outstanding_tokens += self.prompt[rid]
@@ -230,11 +233,14 @@ def simulate_colocated(
     chunk_size: int | None = None,
     max_batch_tokens: int = 2048,
     max_batch: int = 256,
+    max_waiting: int | None = None,
 ) -> SimResult:
     """Run one trial of the colocated engine: vLLM-style with chunk_size None, chunked
     prefill with piggybacked decodes otherwise. Timers should come from the colocated
-    latency model. With `slo`, the trial stops once the target is out of reach."""
-    sim = _Sim(trace, slo, max_batch_tokens)
+    latency model. With `slo`, the trial stops once the target is out of reach.
+    `max_waiting`: the router refuses a request on arrival while this many wait for their
+    first token (None: no limit)."""
+    sim = _Sim(trace, slo, max_batch_tokens, max_waiting)
     sim.instances = [_Instance(sim, m, max_batch, chunk_size) for m in instances]
     sim.loop.arrivals(trace.arrival_s.tolist(), sim.arrive)
     sim.loop.run()

@@ -68,9 +68,9 @@ class TransferModel:
 class _Sim:
     """State shared by the instances of one trial."""
 
-    def __init__(self, trace: Trace, slo: SLO | None) -> None:
+    def __init__(self, trace: Trace, slo: SLO | None, max_waiting: int | None = None) -> None:
         self.loop = EventLoop()
-        self.rec = Recorder(trace, slo, self.loop)
+        self.rec = Recorder(trace, slo, self.loop, max_waiting)
         self.prompt = trace.prompt_tokens.tolist()
         self.output = trace.output_tokens.tolist()
         self.first_token_s = [0.0] * trace.num_requests
@@ -85,6 +85,8 @@ class _Sim:
         self.max_decode_batch = 0
 
     def arrive(self, rid: int) -> None:
+        if not self.rec.admit(rid):
+            return
         if self.prefills:
             prefills = self.prefills
             if len(prefills) > 1:
@@ -381,14 +383,17 @@ def simulate_disaggregated(
     max_prefill_tokens: int | Sequence[int] = 512,
     max_decode_batch: int = 256,
     can_decode_across_nodes: bool = True,
+    max_waiting: int | None = None,
 ) -> SimResult:
     """Run one trial. An empty `prefill` simulates decode alone (requests arrive
     prefilled); an empty `decode` simulates prefill alone (requests end at their first
     token). With `slo`, the trial stops once the attainment target is out of reach.
     `max_prefill_tokens`: Lm of every prefill instance, or one per instance.
     `can_decode_across_nodes` False (low node affinity): a prefilled request goes to a
-    decode instance on its prefill's fastest link (its node), full or not."""
-    sim = _Sim(trace, slo)
+    decode instance on its prefill's fastest link (its node), full or not.
+    `max_waiting`: the router refuses a request on arrival while this many wait for their
+    first token (None: no limit)."""
+    sim = _Sim(trace, slo, max_waiting)
     lms = ([max_prefill_tokens] * len(prefill) if isinstance(max_prefill_tokens, int)
            else list(max_prefill_tokens))
     sim.prefills = [_Prefill(sim, i, m, lm) for i, (m, lm) in enumerate(zip(prefill, lms, strict=True))]

@@ -71,6 +71,9 @@ class SimResult:
     # prefill iterations run: prefill batches, and the prefills of preempted requests
     # (what the engine's instances log as "prefill" iterations, to set beside them)
     num_prefill_batches: int = 0
+    # requests the router refused on arrival (its limit of requests waiting for their
+    # first token, `max_waiting`): NaN latencies, failures, as a 429 is to a client
+    num_refused: int = 0
 
     def attainment(self, slo: SLO) -> float:
         """Share of requests meeting the SLOs under slo.rule (unfinished ones fail)."""
@@ -94,7 +97,7 @@ class SimResult:
 class Recorder:
     """Collects first-token and finish times and stops the loop when the SLO is lost."""
 
-    def __init__(self, trace: Trace, slo: SLO | None, loop) -> None:
+    def __init__(self, trace: Trace, slo: SLO | None, loop, max_waiting: int | None = None) -> None:
         n = trace.num_requests
         self.arrival_s = trace.arrival_s.tolist()
         self.output_tokens = trace.output_tokens.tolist()
@@ -110,9 +113,32 @@ class Recorder:
         self._ttft_ok = [True] * n
         self.num_preemptions = 0  # the simulators count here
         self.num_prefill_batches = 0
+        self._max_waiting = max_waiting  # None: every request is admitted
+        self._is_waiting = [False] * n  # admitted, first token not out yet
+        self.num_waiting = 0
+        self.num_refused = 0
+
+    def admit(self, rid: int) -> bool:
+        """Whether the router takes request rid on arrival: refused (a failure, never
+        served) while `max_waiting` admitted requests wait for their first token, as the
+        engine's router refuses with a 429 (`distserve_engine.admission`)."""
+        if self._max_waiting is not None and self.num_waiting >= self._max_waiting:
+            self.num_refused += 1
+            self._ttft_ok[rid] = False
+            self._ttft_failed += 1
+            if not self._is_both:
+                self._tpot_failed += 1
+            self._check()
+            return False
+        self._is_waiting[rid] = True
+        self.num_waiting += 1
+        return True
 
     def first_token(self, rid: int, time_s: float) -> None:
         """Request rid produced its first token at time_s."""
+        if self._is_waiting[rid]:
+            self._is_waiting[rid] = False
+            self.num_waiting -= 1
         ttft = time_s - self.arrival_s[rid]
         self.ttft_s[rid] = ttft
         if self._slo is not None and ttft > self._slo.ttft_s:
@@ -149,4 +175,5 @@ class Recorder:
             self._loop.now,
             self.num_preemptions,
             self.num_prefill_batches,
+            self.num_refused,
         )
