@@ -1290,11 +1290,9 @@ static void amx_panel_rows64(const uint16_t *padded, int64_t kp, int64_t m, cons
     }
 }
 
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
-static void amx_panel_pairs(const uint16_t *padded, int64_t kp, int64_t m, const uint16_t *packed,
-                            int64_t n, int64_t first_pair, int64_t last_pair,
-                            const uint16_t *bias, uint16_t *c, int64_t ldc, float *sums) {
-    const int64_t chunks = kp / 32, panel_size = kp * PANEL, panels = (n + PANEL - 1) / PANEL;
+/* every tile 16 rows of 64 bytes (palette 1), the one shape the AMX kernels here use */
+__attribute__((target("amx-tile")))
+static inline void load_tile_config(void) {
     TileConfig config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
@@ -1303,6 +1301,14 @@ static void amx_panel_pairs(const uint16_t *padded, int64_t kp, int64_t m, const
         config.rows[t] = 16;
     }
     _tile_loadconfig(&config);
+}
+
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
+static void amx_panel_pairs(const uint16_t *padded, int64_t kp, int64_t m, const uint16_t *packed,
+                            int64_t n, int64_t first_pair, int64_t last_pair,
+                            const uint16_t *bias, uint16_t *c, int64_t ldc, float *sums) {
+    const int64_t chunks = kp / 32, panel_size = kp * PANEL, panels = (n + PANEL - 1) / PANEL;
+    load_tile_config();
     for (int64_t pair = first_pair; pair < last_pair; ++pair) {
         const int64_t p = 2 * pair;
         const int two = p + 1 < panels;
@@ -1580,14 +1586,7 @@ static void amx_attend_tasks(const uint16_t *q, const uint16_t *k, const uint16_
                              int64_t padded, uint16_t *kp, uint16_t *vp, float *scores,
                              uint16_t *probs, uint16_t *qbuf, float *sums) {
     const int64_t group = num_heads / num_kv_heads;
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        config.bytes_per_row[t] = 64;
-        config.rows[t] = 16;
-    }
-    _tile_loadconfig(&config);
+    load_tile_config();
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < batch * num_kv_heads; ++task) {
         const int64_t b = task / num_kv_heads, g = task % num_kv_heads, first = firsts[b];
