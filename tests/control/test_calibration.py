@@ -15,6 +15,7 @@ import pytest
 
 from distserve.cli.fidelity import (
     CALIBRATION_KNEE_FACTOR,
+    IN_RUN_REQUESTS,
     KNEE_TRACE_REQUESTS,
     WARMUP_REQUESTS,
     _sample_trace,
@@ -182,6 +183,25 @@ def test_fidelity_calibrates_on_another_sample_then_judges_the_knee_with_the_cor
     # each rate after the first is predicted with the factors of the run just before it
     sources = re.findall(r"simulated with the factors of (.*?): prefill x1.50", out)
     assert sources == ["the calibration"] + [f"the run at {r:g} req/s" for r, *_ in rows[:2]]
+
+
+def test_fidelity_predicts_the_rest_of_each_run_from_its_first_requests_iterations(capsys):
+    spec, shape, ctx = deployment(0)
+    trace = _sample_trace(spec, 2 * IN_RUN_REQUESTS + 20)
+    fake = SlowPrefillDeployment(ctx)
+
+    def launch(settings, port):
+        return contextlib.nullcontext(SimpleNamespace(url=f"http://127.0.0.1:{port}"))
+
+    compare_deployment(spec, None, "local", "/model", 0, trace, [0.5], 18000,
+                       drive_fn=fake.drive, launch=launch, iterations_fn=lambda _: fake.iterations)
+    out = capsys.readouterr().out
+    head = (f"1 prefill + 1 decode, the run's requests after its first {IN_RUN_REQUESTS}, "
+            "simulated with the factors of the iterations while those arrived (prefill x1.50, "
+            f"decode x1.00) at 0.5 req/s: {IN_RUN_REQUESTS + 20} requests, 0 errors")
+    assert head in out
+    block = out[out.index(head):].splitlines()
+    assert block[1].startswith("  attainment  measured 100.0%")  # answered at once, all met
 
 
 def test_the_knee_is_judged_in_steady_state_not_on_a_burst_that_drains():

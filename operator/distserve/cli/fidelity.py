@@ -20,7 +20,10 @@ decode instances, then `--colocated N` colocated instances (the baseline). Per d
    figures with the profile as measured and with the run's own iteration factors (the
    latency model's error told from the rest; each with the count of prefill iterations
    the simulator ran, to set against the instances' own: the same policy forms the same
-   batches), and the 1-minute load average over the run.
+   batches), and the 1-minute load average over the run. Then the same comparison over
+   the run's requests after its first IN_RUN_REQUESTS, simulated with the factors of
+   the iterations the instances ran while those first ones arrived: the runners' speed
+   of that very run, as the analyzer corrects its model online from what it observes.
 The latency profile is the one `distserve up` plans with (this machine's, measured on
 first use and cached; `--profile FILE`, `--no-measure`); its fit error is printed first.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import signal
 import sys
 import time
@@ -47,6 +51,7 @@ KNEE_TRACE_REQUESTS = 600  # the knee is judged in steady state on at least this
 # both sides; 600 read 83.2% against 83.5% at the knee (with that run's own factors)
 DEFAULT_REQUESTS = KNEE_TRACE_REQUESTS
 DEFAULT_CALIBRATION_REQUESTS = 40
+IN_RUN_REQUESTS = 100  # a run's first requests whose iterations predict the rest of it
 CALIBRATION_KNEE_FACTOR = 0.5  # calibrate below the knee: iterations, not queues, are fitted
 DEFAULT_COLOCATED = 2
 WARMUP_REQUESTS = 2  # first requests of a fresh process pay one-time costs: not measured
@@ -212,10 +217,10 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
         _drive(launcher.url, spec, trace.at_rate(1.0), drive_fn, WARMUP_REQUESTS)
         ctx = profiled
 
-        def iterations_since(started_s: float):
-            """The fit of the iterations the instances ran since started_s."""
+        def iterations_since(started_s: float, until_s: float = math.inf):
+            """The fit of the iterations the instances ran from started_s (until until_s)."""
             return fit_iterations(profiled, shape, {
-                name: [i for i in items if i.started_s >= started_s]
+                name: [i for i in items if started_s <= i.started_s < until_s]
                 for name, items in iterations_fn(launcher).items()})
 
         if calibration is not None:
@@ -245,10 +250,14 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
         factors_from = "the calibration" if calibration is not None else None
         for rate in at_rates:
             started_s = time.time()
-            row = _compare_at(launcher.url, spec, ctx, shape, trace, rate, drive_fn)
+            row, outcomes = _compare_at(launcher.url, spec, ctx, shape, trace, rate, drive_fn)
             rows.append(row)
             own = _report(spec, shape, trace, row, ctx, profiled, factors_from,
                           iterations_since(started_s))
+            if trace.num_requests >= 2 * IN_RUN_REQUESTS:
+                first_s = float(trace.at_rate(rate).arrival_s[IN_RUN_REQUESTS])
+                _report_in_run(spec, shape, trace, row, outcomes, profiled,
+                               iterations_since(started_s, started_s + first_s))
             if factors_from is not None and own is not None:  # the next rate: the freshest factors
                 ctx, factors_from = own, f"the run at {rate:g} req/s"
     return rows
@@ -280,8 +289,32 @@ def _report(spec, shape, trace, row: tuple, ctx, profiled, factors_from: str | N
     return own
 
 
+def _report_in_run(spec, shape, trace, row: tuple, outcomes, profiled, first_fit) -> None:
+    """Print the run's requests after its first IN_RUN_REQUESTS, measured beside the
+    simulator's figures with the factors of the iterations the instances ran while those
+    first ones arrived (the whole trace simulated, so that they queue ahead of the rest):
+    a prediction with the runners' speed of that very run, as the analyzer corrects its
+    model from the window it observes. Nothing where a phase ran no iteration then."""
+    from distserve.local.prediction import predict_run, requests_of
+    from distserve.local.report import format_comparison, summarize
+
+    if not all(fit.num_iterations for fit in first_fit.phases):
+        return
+    rate, load = row[0], row[3]
+    ctx = dataclasses.replace(profiled, correction=first_fit.correction)
+    c = ctx.correction
+    measured = summarize([o for o in outcomes if o.req_id >= IN_RUN_REQUESTS], rate,
+                         spec.slo.ttft_seconds, spec.slo.tpot_seconds)
+    predicted = predict_run(ctx, shape, requests_of(trace.at_rate(rate)), rate,
+                            scored_from=IN_RUN_REQUESTS)
+    what = (f"{shape.describe()}, the run's requests after its first {IN_RUN_REQUESTS}, "
+            f"simulated with the factors of the iterations while those arrived (prefill "
+            f"x{c.prefill_factor:.2f}, decode x{c.decode_factor:.2f})")
+    _say(format_comparison(what, rate, measured, predicted, load, spec.slo.attainment))
+
+
 def _compare_at(url: str, spec, ctx, shape, trace, rate: float, drive_fn) -> tuple:
-    """(rate, measured, predicted, load) of one replay at rate."""
+    """((rate, measured, predicted, load), outcomes) of one replay at rate."""
     from distserve.local.prediction import predict_run, requests_of
     from distserve.local.report import LoadSampler, summarize
 
@@ -294,7 +327,7 @@ def _compare_at(url: str, spec, ctx, shape, trace, rate: float, drive_fn) -> tup
     for message, count in failed.most_common():
         _say(f"  failed at {rate:g} req/s ({count} request{'s' if count > 1 else ''}): {message}")
     predicted = predict_run(ctx, shape, requests_of(at_rate), rate)
-    return rate, measured, predicted, load.summary()
+    return (rate, measured, predicted, load.summary()), outcomes
 
 
 def _drive(url: str, spec, trace, drive_fn, limit: int | None = None):

@@ -116,9 +116,15 @@ def requests_of(trace: Trace) -> list[Request]:
 
 
 def predicted_summary(result: SimResult, trace: Trace, rate_rps: float, ttft_slo_s: float,
-                      tpot_slo_s: float) -> RunSummary:
+                      tpot_slo_s: float, scored_from: int = 0) -> RunSummary:
     """The simulated run in the figures of a measured one (`report.summarize`): attainment
-    of both SLOs over every request, TPOT percentiles over requests of 2+ tokens."""
+    of both SLOs over every request, TPOT percentiles over requests of 2+ tokens; only
+    the requests from `scored_from` on (in arrival order) count."""
+    if scored_from:
+        trace = Trace(trace.arrival_s[scored_from:], trace.prompt_tokens[scored_from:],
+                      trace.output_tokens[scored_from:])
+        result = dataclasses.replace(result, ttft_s=result.ttft_s[scored_from:],
+                                     tpot_s=result.tpot_s[scored_from:])
     ttfts = result.ttft_s[~np.isnan(result.ttft_s)]
     multi = (trace.output_tokens > 1) & ~np.isnan(result.tpot_s)
     tpots = result.tpot_s[multi]
@@ -137,11 +143,12 @@ def predicted_summary(result: SimResult, trace: Trace, rate_rps: float, ttft_slo
 
 
 def predict_run(ctx: SearchContext, shape: LocalShape, requests: Sequence[Request],
-                rate_rps: float) -> RunSummary:
-    """The simulator's figures for these requests on this shape (SLOs from ctx)."""
+                rate_rps: float, scored_from: int = 0) -> RunSummary:
+    """The simulator's figures for these requests on this shape (SLOs from ctx), over
+    those from `scored_from` on (the ones before still queue ahead of them)."""
     trace = trace_of(requests)
     result = simulate_shape(ctx, shape, trace)
-    return predicted_summary(result, trace, rate_rps, ctx.slo.ttft_s, ctx.slo.tpot_s)
+    return predicted_summary(result, trace, rate_rps, ctx.slo.ttft_s, ctx.slo.tpot_s, scored_from)
 
 
 def predicted_knee_rps(ctx: SearchContext, shape: LocalShape, trace_at_1rps: Trace,
