@@ -51,6 +51,19 @@ def test_correction_scales_each_phase_and_leaves_hand_offs():
         Correction(10.0, 1.0)
 
 
+def test_a_time_per_sequence_adds_to_each_decode_step_once_over_its_stages():
+    base = get_latency_model("facebook/opt-66b", "A100-80GB", 2, 2)  # pp 2
+    scaled = corrected(base, Correction(1.0, 0.5, decode_sequence_s=0.002))
+    steps = {n: scaled.decode_stage_s([300] * n) - 0.5 * base.decode_stage_s([300] * n)
+             for n in (1, 8)}
+    assert steps == pytest.approx({1: 0.001, 8: 0.008})  # per stage: half of 2 ms a sequence
+    assert scaled.prefill_stage_s([512]) == pytest.approx(base.prefill_stage_s([512]))
+    with pytest.raises(ValueError, match="decode_sequence_s"):
+        Correction(1.0, 1.0, decode_sequence_s=-0.001)
+    assert Correction.clamped(1.0, 1.0, 5.0).decode_sequence_s == 0.1
+    assert not Correction(decode_sequence_s=0.001).is_identity
+
+
 def test_the_fit_recovers_known_latency_factors():
     evaluator = make_evaluator()
     plan = placed_plan(evaluator)

@@ -80,6 +80,24 @@ def test_the_engine_threads_time_between_runner_calls_counts_as_the_iterations()
     assert "decode x1.25" in fit.describe() and "20% of the time between runner calls" in fit.describe()
 
 
+def test_decode_steps_that_grow_with_their_batch_beyond_the_profile_give_a_time_per_sequence():
+    _, shape, ctx = deployment(0)
+    batches = [(200,) * n for n in (1, 2, 4, 8, 16, 3)]
+    steps = [dataclasses.replace(i, seconds=0.9 * i.seconds + 0.0005 * len(i.lens))
+             for i in timed(ctx, "disaggregated", "decode", batches, 1.0)]
+    fit = fit_iterations(ctx, shape, {"decode-0": steps})
+    decode = next(f for f in fit.phases if f.phase == "decode")
+    assert decode.sequence_s == pytest.approx(0.0005, rel=1e-3)
+    assert decode.factor == pytest.approx(0.9, rel=1e-3)
+    assert fit.correction.decode_sequence_s == pytest.approx(0.0005, rel=1e-3)
+    assert "decode x0.90 + 0.50 ms a sequence" in fit.describe()
+    # steps that only scale with the profile: no time per sequence
+    scaled = fit_iterations(ctx, shape, {"decode-0": timed(ctx, "disaggregated", "decode",
+                                                           batches, 1.2)})
+    c = scaled.correction
+    assert (c.decode_factor, c.decode_sequence_s) == (pytest.approx(1.2), 0.0)
+
+
 def test_the_fit_says_how_much_of_its_calls_the_runner_held_its_core():
     _, shape, ctx = deployment(0)
     runner = timed(ctx, "disaggregated", "prefill", PREFILL_BATCHES, 1.25)

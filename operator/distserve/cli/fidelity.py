@@ -275,9 +275,8 @@ def _report(spec, shape, trace, row: tuple, ctx, profiled, factors_from: str | N
     text = format_comparison(shape.describe(), *row, spec.slo.attainment)
     sent = requests_of(trace.at_rate(rate))
     if factors_from is not None:
-        c = ctx.correction
-        text += (f"\n  simulated with the factors of {factors_from}: prefill "
-                 f"x{c.prefill_factor:.2f}, decode x{c.decode_factor:.2f}")
+        text += (f"\n  simulated with the factors of {factors_from}: "
+                 f"{_correction_text(ctx.correction)}")
         text += "\n" + format_other("with the profile as measured",
                                      predict_run(profiled, shape, sent, rate))
     text += f"\n  this run's iterations against the profile: {run_fit.describe()}"
@@ -302,15 +301,21 @@ def _report_in_run(spec, shape, trace, row: tuple, outcomes, profiled, first_fit
         return
     rate, load = row[0], row[3]
     ctx = dataclasses.replace(profiled, correction=first_fit.correction)
-    c = ctx.correction
     measured = summarize([o for o in outcomes if o.req_id >= IN_RUN_REQUESTS], rate,
                          spec.slo.ttft_seconds, spec.slo.tpot_seconds)
     predicted = predict_run(ctx, shape, requests_of(trace.at_rate(rate)), rate,
                             scored_from=IN_RUN_REQUESTS)
     what = (f"{shape.describe()}, the run's requests after its first {IN_RUN_REQUESTS}, "
-            f"simulated with the factors of the iterations while those arrived (prefill "
-            f"x{c.prefill_factor:.2f}, decode x{c.decode_factor:.2f})")
+            f"simulated with the factors of the iterations while those arrived "
+            f"({_correction_text(ctx.correction)})")
     _say(format_comparison(what, rate, measured, predicted, load, spec.slo.attainment))
+
+
+def _correction_text(c) -> str:
+    """e.g. "prefill x1.02, decode x0.75 + 0.58 ms a sequence"."""
+    per_sequence = (f" + {c.decode_sequence_s * 1e3:.2f} ms a sequence"
+                    if c.decode_sequence_s else "")
+    return f"prefill x{c.prefill_factor:.2f}, decode x{c.decode_factor:.2f}{per_sequence}"
 
 
 def _compare_at(url: str, spec, ctx, shape, trace, rate: float, drive_fn) -> tuple:

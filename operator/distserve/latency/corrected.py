@@ -19,6 +19,7 @@ from distserve.latency.base import LatencyModel
 # instance), not a slower or faster GPU: the correction never goes beyond it.
 MIN_FACTOR = 0.25
 MAX_FACTOR = 4.0
+MAX_SEQUENCE_S = 0.1  # a decode step's time per sequence beyond this is a fit gone wrong
 
 
 @dataclass(frozen=True)
@@ -27,25 +28,36 @@ class Correction:
 
     prefill_factor: float = 1.0  # prefill batch times are multiplied by this
     decode_factor: float = 1.0  # decode step times are multiplied by this
+    # seconds a decode step takes per sequence in it, beyond the factor: work that grows
+    # with the batch and that a bare runner's profile does not time (a serving
+    # instance's tokens streamed and KV imported on its core; `local.calibration`)
+    decode_sequence_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_factor", "decode_factor"):
             value = getattr(self, name)
             if not MIN_FACTOR <= value <= MAX_FACTOR:
                 raise ValueError(f"{name} must be in [{MIN_FACTOR}, {MAX_FACTOR}], got {value}")
+        if not 0.0 <= self.decode_sequence_s <= MAX_SEQUENCE_S:
+            raise ValueError(f"decode_sequence_s must be in [0, {MAX_SEQUENCE_S}], got "
+                             f"{self.decode_sequence_s}")
 
     @property
     def is_identity(self) -> bool:
         """Whether the correction changes nothing."""
-        return self.prefill_factor == 1.0 and self.decode_factor == 1.0
+        return (self.prefill_factor == 1.0 and self.decode_factor == 1.0
+                and self.decode_sequence_s == 0.0)
 
     @staticmethod
-    def clamped(prefill_factor: float, decode_factor: float) -> Correction:
-        """A correction with both factors brought inside [MIN_FACTOR, MAX_FACTOR]."""
+    def clamped(prefill_factor: float, decode_factor: float,
+                decode_sequence_s: float = 0.0) -> Correction:
+        """A correction with both factors brought inside [MIN_FACTOR, MAX_FACTOR] (and the
+        time per sequence inside [0, MAX_SEQUENCE_S])."""
         def clamp(value: float) -> float:
             return min(MAX_FACTOR, max(MIN_FACTOR, value))
 
-        return Correction(clamp(prefill_factor), clamp(decode_factor))
+        return Correction(clamp(prefill_factor), clamp(decode_factor),
+                          min(MAX_SEQUENCE_S, max(0.0, decode_sequence_s)))
 
 
 class CorrectedLatencyModel:
@@ -63,17 +75,20 @@ class CorrectedLatencyModel:
         return self.inner.prefill_stage_s(prompt_lens) * self.correction.prefill_factor
 
     def decode_stage_s(self, context_lens: Sequence[int]) -> float:
-        """The inner decode step time times the decode factor."""
-        return self.inner.decode_stage_s(context_lens) * self.correction.decode_factor
+        """The inner decode step time times the decode factor, and the time per sequence
+        (shared over the pp stages: once a step)."""
+        c = self.correction
+        return (self.inner.decode_stage_s(context_lens) * c.decode_factor
+                + c.decode_sequence_s * len(context_lens) / self.pp)
 
     def mixed_stage_s(
         self, prefill_chunks: Sequence[tuple[int, int]], decode_context_lens: Sequence[int]
     ) -> float:
         """A colocated iteration: scaled as prefill when it holds a chunk, else as decode."""
-        factor = (
-            self.correction.prefill_factor if prefill_chunks else self.correction.decode_factor
-        )
-        return self.inner.mixed_stage_s(prefill_chunks, decode_context_lens) * factor
+        c = self.correction
+        factor = c.prefill_factor if prefill_chunks else c.decode_factor
+        return (self.inner.mixed_stage_s(prefill_chunks, decode_context_lens) * factor
+                + c.decode_sequence_s * len(decode_context_lens) / self.pp)
 
     def stage_handoff_s(self, num_tokens: int) -> float:
         """Hand-offs move activations over a link: not corrected."""

@@ -8,7 +8,9 @@ with the engine thread's overhead before each (`GET /debug/iterations`,
 `distserve_engine.instance.iterations`); here every one of them is set beside the time
 the profile gives the very same batch (its lengths, the instance's tp and pp and serving
 mode), and the ratio of the sums, per phase, is a `Correction` the simulator can run
-with: a simulated iteration stands for all the time its instance is busy with it. The ratio of sums weighs each iteration by its
+with (for decode, the factor beside a time per sequence of a step, fitted by least squares
+over the steps: the tokens a serving instance streams and the KV it imports grow with its
+batch, where the profile's bare steps do not; on SmolLM2 0.05-1.05 ms a sequence): a simulated iteration stands for all the time its instance is busy with it. The ratio of sums weighs each iteration by its
 time, as a phase's capacity does; the spread of the per-iteration ratios says how
 steady it is. Each runner call also keeps the engine thread's CPU time, so the fit says
 how much of its calls' time the runner held its core: what is left of a factor is the
@@ -34,6 +36,9 @@ from distserve.search.trials import SearchContext, instance_model
 from distserve_engine.instance.iterations import ITERATION_HISTORY, KINDS, Iteration
 
 
+MIN_SEQUENCE_S = 1e-6  # a time per sequence below this is the fit's rounding: none
+
+
 @dataclass(frozen=True)
 class PhaseFit:
     """Measured against profiled time of one phase's iterations."""
@@ -47,11 +52,18 @@ class PhaseFit:
     p90: float
     runner_s: float = 0.0  # the runner calls' seconds of the iterations that timed their CPU
     runner_cpu_s: float = 0.0  # the engine thread's CPU seconds in those calls
+    # decode: seconds each sequence of a step adds beyond the profile's time
+    # (`_sequence_s`), and the sequences the iterations ran, summed
+    sequence_s: float = 0.0
+    num_sequences: int = 0
 
     @property
     def factor(self) -> float:
-        """Measured over profiled time (1.0 where nothing was measured)."""
-        return self.measured_s / self.profiled_s if self.profiled_s > 0 else 1.0
+        """Measured over profiled time, less the time per sequence (1.0 where nothing was
+        measured): with it, the sums of measured and modelled time agree."""
+        if self.profiled_s <= 0:
+            return 1.0
+        return (self.measured_s - self.sequence_s * self.num_sequences) / self.profiled_s
 
     def describe(self) -> str:
         """e.g. "prefill x1.16 (per batch x1.04-1.36, 133 batches)"."""
@@ -59,7 +71,9 @@ class PhaseFit:
             return f"{self.phase}: no iterations (x1.00)"
         core = (f", the runner on its core {self.runner_cpu_s / self.runner_s:.0%} of its calls' "
                 "time" if self.runner_s > 0 else "")
-        return (f"{self.phase} x{self.factor:.2f} (per iteration x{self.p10:.2f}-{self.p90:.2f}, "
+        per_sequence = (f" + {self.sequence_s * 1e3:.2f} ms a sequence" if self.sequence_s > 0
+                        else "")
+        return (f"{self.phase} x{self.factor:.2f}{per_sequence} (per iteration x{self.p10:.2f}-{self.p90:.2f}, "
                 f"{self.num_iterations} iterations, {self.overhead_s / self.measured_s:.0%} of "
                 f"the time between runner calls{core})")
 
@@ -73,8 +87,11 @@ class IterationFit:
     @property
     def correction(self) -> Correction:
         """Per-phase factors, clamped to what a correction allows."""
-        by = {fit.phase: fit.factor for fit in self.phases}
-        return Correction.clamped(by.get("prefill", 1.0), by.get("decode", 1.0))
+        by = {fit.phase: fit for fit in self.phases}
+        prefill, decode = by.get("prefill"), by.get("decode")
+        return Correction.clamped(prefill.factor if prefill else 1.0,
+                                  decode.factor if decode else 1.0,
+                                  decode.sequence_s if decode else 0.0)
 
     def describe(self) -> str:
         """Both phases in one line."""
@@ -135,8 +152,23 @@ def _phase_fit(phase: str, pairs: list[tuple[Iteration, float]]) -> PhaseFit:
         return PhaseFit(phase, 0, 0.0, 0.0, 0.0, math.nan, math.nan)
     ratios = np.array([item.busy_s / p for item, p in pairs])
     timed = [item for item, _ in pairs if item.cpu_s is not None]
+    sequences = [len(item.lens) for item, _ in pairs]
+    sequence_s = _sequence_s(pairs) if phase == "decode" else 0.0
     return PhaseFit(phase, len(pairs), sum(item.busy_s for item, _ in pairs),
                     sum(p for _, p in pairs), sum(item.overhead_s for item, _ in pairs),
                     float(np.percentile(ratios, 10)), float(np.percentile(ratios, 90)),
-                    sum(item.seconds for item in timed), sum(item.cpu_s for item in timed))
+                    sum(item.seconds for item in timed), sum(item.cpu_s for item in timed),
+                    sequence_s, sum(sequences) if sequence_s > 0 else 0)
+
+
+def _sequence_s(pairs: list[tuple[Iteration, float]]) -> float:
+    """Decode: the seconds per sequence s in measured = f x profiled + s x sequences, by
+    least squares over the iterations (0 where that comes out negative, or where the
+    batches do not vary enough to tell s from f)."""
+    measured = np.array([item.busy_s for item, _ in pairs])
+    design = np.array([[p, len(item.lens)] for item, p in pairs], dtype=float)
+    if len(pairs) < 3 or np.linalg.matrix_rank(design) < 2:
+        return 0.0
+    (_, per_sequence), *_ = np.linalg.lstsq(design, measured, rcond=None)
+    return float(per_sequence) if per_sequence > MIN_SEQUENCE_S else 0.0
 
