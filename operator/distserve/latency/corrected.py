@@ -24,7 +24,8 @@ MAX_SEQUENCE_S = 0.1  # a decode step's time per sequence beyond this is a fit g
 
 @dataclass(frozen=True)
 class Correction:
-    """Per-phase multipliers on the latency model's iteration times."""
+    """Per-phase multipliers on the latency model's iteration times, and a decode step's
+    time per sequence beside its multiplier."""
 
     prefill_factor: float = 1.0  # prefill batch times are multiplied by this
     decode_factor: float = 1.0  # decode step times are multiplied by this
