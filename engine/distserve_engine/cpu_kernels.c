@@ -35,6 +35,26 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+/* GCC 11 and later on x86-64: a function may enable instructions the build does not (the
+ * AMX kernels below, in every x86 build) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define HAS_TARGET_ATTRIBUTES
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) || defined(HAS_TARGET_ATTRIBUTES)
+/* 16 floats rounded to bfloat16 as f32_to_bf16 rounds them (nearest even, NaN quiet). */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static inline __m256i narrow_bf16_16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
+    const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+#endif
 
 /* e^x for x in [-60, 0], vectorisable (libm's expf is a call per element): x = n ln2 + r
  * with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial (within 1e-7 of e^x, relative), 2^n
@@ -218,13 +238,7 @@ static inline vec16 vif_negative16(vec16 x, vec16 a, vec16 b) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), b, a);
 }
 static inline void vstore_bf16_16(uint16_t *p, vec16 x) {  /* 16 floats rounded as f32_to_bf16 */
-    const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
-    const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-    const __m512i bits = _mm512_mask_or_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                                              high, _mm512_set1_epi32(0x40));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bits));
+    _mm256_storeu_si256((__m256i *)p, narrow_bf16_16(x));
 }
 #endif
 
@@ -1186,8 +1200,7 @@ int pack_linear_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) 
     return 0;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
-#include <immintrin.h> /* the functions below enable the instructions they use */
+#ifdef HAS_TARGET_ATTRIBUTES /* the functions below enable the instructions they use */
 #include <sys/syscall.h>
 #include <unistd.h>
 #ifdef _OPENMP
@@ -1213,18 +1226,6 @@ int packed_linear_bf16_supported(void) {
         granted = __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("avx512bw") &&
                   syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM_, XFEATURE_XTILEDATA_) == 0;
     return granted;
-}
-
-/* 16 floats rounded to bfloat16 as f32_to_bf16 rounds them (nearest even, NaN quiet). */
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static inline __m256i narrow_bf16_16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
-    const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(rounded);
 }
 
 /* `rows` rows of c (ldc apart), their first `cols` columns (cols <= 32), from the float

@@ -52,6 +52,12 @@ def timed(ctx, serving_mode: str, kind: str, batches, factor: float) -> list[Ite
     return out
 
 
+def fitted(ctx, shape, name: str, iterations: list[Iteration]):
+    """The fit of one instance's iterations, and the part of it of their phase."""
+    fit = fit_iterations(ctx, shape, {name: iterations})
+    return fit, next(f for f in fit.phases if f.phase == iterations[0].kind)
+
+
 def test_iterations_that_ran_a_known_factor_slower_give_that_factor_per_phase():
     _, shape, ctx = deployment(0)
     iterations = {"prefill-0": timed(ctx, "disaggregated", "prefill", PREFILL_BATCHES, 1.3),
@@ -74,8 +80,7 @@ def test_the_engine_threads_time_between_runner_calls_counts_as_the_iterations()
     _, shape, ctx = deployment(0)
     runner_only = timed(ctx, "disaggregated", "decode", DECODE_BATCHES, 1.0)
     with_overhead = [dataclasses.replace(i, overhead_s=0.25 * i.seconds) for i in runner_only]
-    fit = fit_iterations(ctx, shape, {"decode-0": with_overhead})
-    decode = next(f for f in fit.phases if f.phase == "decode")
+    fit, decode = fitted(ctx, shape, "decode-0", with_overhead)
     assert decode.factor == pytest.approx(1.25)
     assert "decode x1.25" in fit.describe() and "20% of the time between runner calls" in fit.describe()
 
@@ -85,8 +90,7 @@ def test_decode_steps_that_grow_with_their_batch_beyond_the_profile_give_a_time_
     batches = [(200,) * n for n in (1, 2, 4, 8, 16, 3)]
     steps = [dataclasses.replace(i, seconds=0.9 * i.seconds + 0.0005 * len(i.lens))
              for i in timed(ctx, "disaggregated", "decode", batches, 1.0)]
-    fit = fit_iterations(ctx, shape, {"decode-0": steps})
-    decode = next(f for f in fit.phases if f.phase == "decode")
+    fit, decode = fitted(ctx, shape, "decode-0", steps)
     assert decode.sequence_s == pytest.approx(0.0005, rel=1e-3)
     assert decode.factor == pytest.approx(0.9, rel=1e-3)
     assert fit.correction.decode_sequence_s == pytest.approx(0.0005, rel=1e-3)
@@ -102,8 +106,7 @@ def test_the_fit_says_how_much_of_its_calls_the_runner_held_its_core():
     _, shape, ctx = deployment(0)
     runner = timed(ctx, "disaggregated", "prefill", PREFILL_BATCHES, 1.25)
     on_core = [dataclasses.replace(i, cpu_s=0.8 * i.seconds) for i in runner]
-    fit = fit_iterations(ctx, shape, {"prefill-0": on_core})
-    prefill = next(f for f in fit.phases if f.phase == "prefill")
+    fit, prefill = fitted(ctx, shape, "prefill-0", on_core)
     assert prefill.runner_cpu_s == pytest.approx(0.8 * prefill.runner_s)
     assert "prefill x1.25" in fit.describe()
     assert "the runner on its core 80% of its calls' time" in fit.describe()
@@ -115,8 +118,7 @@ def test_the_ratio_weighs_each_iteration_by_its_time():
     _, shape, ctx = deployment(0)
     short, long = timed(ctx, "disaggregated", "prefill", [(32,)], 2.0), \
         timed(ctx, "disaggregated", "prefill", [(512,)], 1.0)
-    fit = fit_iterations(ctx, shape, {"prefill-0": short + long})
-    prefill = next(f for f in fit.phases if f.phase == "prefill")
+    _, prefill = fitted(ctx, shape, "prefill-0", short + long)
     assert (prefill.p10, prefill.p90) == pytest.approx((1.1, 1.9))
     # the ratio of sums: the long batch, most of the time, pulls it towards its own 1.0
     (short_s,), (long_s,) = (i.seconds for i in short), (i.seconds for i in long)

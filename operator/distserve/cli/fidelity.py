@@ -217,7 +217,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
         _drive(launcher.url, spec, trace.at_rate(1.0), drive_fn, WARMUP_REQUESTS)
         ctx = profiled
 
-        def iterations_since(started_s: float, until_s: float = math.inf):
+        def iterations_fit(started_s: float, until_s: float = math.inf):
             """The fit of the iterations the instances ran from started_s (until until_s)."""
             return fit_iterations(profiled, shape, {
                 name: [i for i in items if started_s <= i.started_s < until_s]
@@ -228,7 +228,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             rate = round(max(knee_rps, 0.01) * CALIBRATION_KNEE_FACTOR, 3)
             started_s = time.time()
             _drive(launcher.url, spec, calibration.at_rate(rate), drive_fn)
-            fit = iterations_since(started_s)
+            fit = iterations_fit(started_s)
             ctx = dataclasses.replace(profiled, correction=fit.correction)
             _say(f"\n{shape.describe()}: calibration, {calibration.num_requests} requests of another "
                  f"sample at {rate:g} req/s; the runner's iterations against the profile's time "
@@ -253,11 +253,11 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             row, outcomes = _compare_at(launcher.url, spec, ctx, shape, trace, rate, drive_fn)
             rows.append(row)
             own = _report(spec, shape, trace, row, ctx, profiled, factors_from,
-                          iterations_since(started_s))
+                          iterations_fit(started_s))
             if trace.num_requests >= 2 * IN_RUN_REQUESTS:
                 first_s = float(trace.at_rate(rate).arrival_s[IN_RUN_REQUESTS])
                 _report_in_run(spec, shape, trace, row, outcomes, profiled,
-                               iterations_since(started_s, started_s + first_s))
+                               iterations_fit(started_s, started_s + first_s))
             if factors_from is not None and own is not None:  # the next rate: the freshest factors
                 ctx, factors_from = own, f"the run at {rate:g} req/s"
     return rows

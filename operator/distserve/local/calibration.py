@@ -152,13 +152,12 @@ def _phase_fit(phase: str, pairs: list[tuple[Iteration, float]]) -> PhaseFit:
         return PhaseFit(phase, 0, 0.0, 0.0, 0.0, math.nan, math.nan)
     ratios = np.array([item.busy_s / p for item, p in pairs])
     timed = [item for item, _ in pairs if item.cpu_s is not None]
-    sequences = [len(item.lens) for item, _ in pairs]
     sequence_s = _sequence_s(pairs) if phase == "decode" else 0.0
     return PhaseFit(phase, len(pairs), sum(item.busy_s for item, _ in pairs),
                     sum(p for _, p in pairs), sum(item.overhead_s for item, _ in pairs),
                     float(np.percentile(ratios, 10)), float(np.percentile(ratios, 90)),
                     sum(item.seconds for item in timed), sum(item.cpu_s for item in timed),
-                    sequence_s, sum(sequences) if sequence_s > 0 else 0)
+                    sequence_s, sum(len(item.lens) for item, _ in pairs))
 
 
 def _sequence_s(pairs: list[tuple[Iteration, float]]) -> float:
