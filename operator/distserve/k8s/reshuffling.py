@@ -4,7 +4,11 @@ A reshuffle keeps every instance the two sets share (same role, tp, pp, engine h
 same node and GPUs for every stage) untouched, and replaces the rest one at a time:
 - a new instance is created first wherever the node's free GPUs allow;
 - otherwise one old instance is drained (the router sends it nothing new, in-flight
-  requests finish), deleted, and a new one is created on the GPUs it freed;
+  requests finish), deleted, and a new one is created on the GPUs it freed; where the
+  new instances that fit then leave another with no room, and one more drain within the
+  capacity floors gives it room, that drain comes first and they start together (a
+  drain waits for the instances created before it to be Ready: each round of drains
+  then creates is one weight loading);
 - old instances nothing needs the room of go last.
 
 Capacity never drops below the smaller of the two sets minus one instance, counted
@@ -141,6 +145,37 @@ def _choose_drain(remove: list[Instance], add: list[Instance], free: Counter,
     return max(allowed, key=lambda c: (score(c), [-x for x in _order(c)[:2]]))
 
 
+def _placed(add: list[Instance], free: Counter) -> tuple[list[Instance], Counter]:
+    """The instances of `add` that fit one after another, and the GPUs they leave free."""
+    left, placed = Counter(free), []
+    for instance in add:
+        if _fits(instance, left):
+            placed.append(instance)
+            left -= instance.node_to_gpus
+    return placed, left
+
+
+def _next_in_round(remove: list[Instance], add: list[Instance], free: Counter,
+                   serving: Counter, floors: dict[str, int]) -> Instance | None:
+    """Another old instance to drain before this round's new instances start, or None.
+
+    NOTE: a drain waits until every instance created before it serves, so a drain
+    between two creates adds a weight loading to the reshuffle. Where the new instances
+    that fit now leave another with no room, and draining one more old instance now
+    keeps the capacity floors and gives it room, that drain comes first and they all
+    load together (1 prefill + 1 decode to 2 + 2 of another shape on a cluster it mostly
+    fills: two loadings in a row instead of three). A drain that would not yet give any
+    of them room waits for the round after, as before."""
+    placed, left = _placed(add, free)
+    waiting = [a for a in add if a not in placed]
+    if not waiting:
+        return None
+    victim = _choose_drain(remove, waiting, left, serving, floors)
+    if victim is None or not any(_fits(a, left + victim.node_to_gpus) for a in waiting):
+        return None
+    return victim
+
+
 def plan_reshuffle(old: list[Instance], new: list[Instance], free_gpus: dict[str, int]) -> Reshuffle:
     """The steps from `old` (running) to `new` (wanted). `free_gpus`: node -> GPUs free
     now with the old instances in place (allocatable minus what every pod requests)."""
@@ -162,10 +197,12 @@ def plan_reshuffle(old: list[Instance], new: list[Instance], free_gpus: dict[str
         victim = _choose_drain(remove, add, free, serving, floors)
         if victim is None:
             _raise_stuck(add, remove, free)
-        remove.remove(victim)
-        free += victim.node_to_gpus
-        serving = _serving_after_drain(serving, victim)
-        steps += [Step("drain", victim), Step("delete", victim)]
+        while victim is not None:
+            remove.remove(victim)
+            free += victim.node_to_gpus
+            serving = _serving_after_drain(serving, victim)
+            steps += [Step("drain", victim), Step("delete", victim)]
+            victim = _next_in_round(remove, add, free, serving, floors)
     for victim in sorted(remove, key=_order):
         steps += [Step("drain", victim), Step("delete", victim)]
     result = Reshuffle(tuple(kept), tuple(steps))
