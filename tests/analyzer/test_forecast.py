@@ -126,23 +126,53 @@ def test_a_small_bucket_both_workloads_hold_does_not_stop_the_carry():
                        np.asarray(summaries.counts)[long_rows].sum(axis=0) / 4000, atol=0.05)
 
 
+def share_of_summaries(forecast_ahead, where: str = "workload") -> float:
+    """The share of long prompts (over 1000 tokens: summaries) in the forecast's lengths."""
+    joint = getattr(forecast_ahead, where).joint
+    counts = np.asarray(joint.counts)
+    return counts[np.asarray(joint.prompt_upper_tokens) > 1000].sum() / counts.sum()
+
+
 def test_a_shift_that_began_in_the_last_third_is_carried_at_its_own_pace():
-    # code for two thirds, then 30% summaries in the last: against the whole older part
-    # the trend is 30% per half window (1.4 of them ahead); against the third before
-    # the last (code), 30% per third (2.1 of them): the shift is carried further
+    # code for two thirds, then 10% summaries in the last: against the whole older part
+    # the trend is 10% per half window (1.4 of them ahead); against the third before
+    # the last (code), 10% per third (2.1 of them); and since that third is no shift
+    # from the first, the ramp began within the last third: at its end it is at twice
+    # its average, and it moves twice as fast
     older = [lengths("code", 1200, 1)]
     before = [lengths("code", 1200, 2)]
-    recent = [lengths("code", 840, 3), lengths("summarization", 360, 4)]
+    recent = [lengths("code", 1080, 3), lengths("summarization", 120, 4)]
     diluted = forecast(window([*older, *before], recent), horizon_s=480)
     paced = forecast(window([*older, *before], recent, previous=before), horizon_s=480)
     assert diluted.is_mix_trend and paced.is_mix_trend
-    def share(forecast_ahead) -> float:  # of summaries (prompts over 1000 tokens) ahead
-        joint = forecast_ahead.workload.joint
-        counts = np.asarray(joint.counts)
-        return counts[np.asarray(joint.prompt_upper_tokens) > 1000].sum() / counts.sum()
-
-    assert share(diluted) == pytest.approx(0.3 + 1.4 * 0.3, abs=0.07)
-    assert share(paced) == pytest.approx(min(1.0, 0.3 + 2.1 * 0.3), abs=0.07)
+    assert share_of_summaries(diluted) == pytest.approx(0.1 + 1.4 * 0.1, abs=0.04)
+    assert share_of_summaries(paced) == pytest.approx(0.1 + 2 * 2.1 * 0.1, abs=0.04)
     # too few requests in the third before: the older part, as before
     few = window([*older, *before], recent, previous=[lengths("code", 50, 2)])
     assert forecast(few, horizon_s=480).workload.prompt == diluted.workload.prompt
+
+
+def test_a_shift_under_way_before_the_last_third_is_carried_at_the_difference():
+    # 5% summaries in the third before the last, 15% in the last: it began earlier, so
+    # the difference per third is its pace (2.1 thirds ahead)
+    older = [lengths("code", 1200, 1)]
+    before = [lengths("code", 1140, 2), lengths("summarization", 60, 5)]
+    recent = [lengths("code", 1020, 3), lengths("summarization", 180, 4)]
+    ahead = forecast(window([*older, *before], recent, previous=before), horizon_s=480)
+    assert ahead.is_mix_trend
+    assert share_of_summaries(ahead) == pytest.approx(0.15 + 2.1 * 0.1, abs=0.04)
+
+
+def test_where_a_shift_leads_is_where_the_old_workloads_buckets_run_empty_together():
+    # prompts of 90 (A) and 300 (B) tokens give way to 1500 (C): A 45% -> 30%, B 45% ->
+    # 40%, C 10% -> 30% from the third before the last to the last. A alone runs empty 2
+    # thirds on (C 70%); A and B together 3.5 thirds on, where C is 82% of the mix
+    def part(a: int, b: int, c: int) -> tuple[np.ndarray, np.ndarray]:
+        prompts = np.repeat([90, 300, 1500], [a, b, c])
+        return prompts, np.full(len(prompts), 50)
+
+    before = [part(540, 540, 120)]
+    ahead = forecast(window([part(540, 540, 0), *before], [part(360, 480, 360)],
+                            previous=before), horizon_s=480)
+    assert ahead.is_mix_trend
+    assert share_of_summaries(ahead, "destination") == pytest.approx(1.0 / 1.225, abs=0.02)

@@ -19,16 +19,24 @@ gives the traffic there:
   `MIN_RECENT_REQUESTS`, else against the older part: a shift that began within the
   window is carried at its own pace, not diluted by the minutes before it began (at the
   benchmark's code -> summarization ramp, 5 minutes in, the older part read 515 prompt
-  tokens ahead where 931 came; the last two thirds read 619). A mix moving from one workload to
+  tokens ahead where 931 came; the last two thirds read 619). Where the third before the
+  recent part is no trend against the window's first third, the shift began within the
+  recent part: a ramp from its start has twice its average share at its end, so the
+  trend is twice the difference (at that ramp's minute 45, seed 2, the horizon's mix
+  read 628 prompt tokens carried at the difference, 886 at twice it, where ~1150 came
+  by the horizon's end). A mix moving from one workload to
   another is a mixture whose weight moves; carried past the point where a bucket the
   old workload held runs empty it would invent a workload heavier than the new one, so
-  the carry stops there. Buckets of under `MIN_BUCKET_SHARE` of the older part do not
-  stop it and end at zero: a small bucket the two workloads share empties long before
-  the old workload's own buckets do, and stopping there kept the forecast of the
-  replanning benchmark's code -> summarization ramp at 1044 prompt tokens where
-  1401 came (1344 now). The joint histogram's cells (which prompts had which outputs)
-  are carried the same way. The window's lengths stand when the recent part holds fewer
-  than `MIN_RECENT_REQUESTS`.
+  the carry stops there: where the old workload's buckets (those of at least
+  `MIN_BUCKET_SHARE` of the older part that shrink) run empty together. Each of them
+  alone empties at its own step, and the first of those is noise's pick: stopped at the
+  first, the carry of the replanning benchmark's code -> summarization ramp read 933
+  prompt tokens as the destination at minute 45 (seed 2), together 1038, and the plan
+  sized at the first was outgrown five minutes later. Smaller buckets neither stop the carry nor count
+  towards it, and end at zero: a small bucket the two workloads share empties long
+  before the old workload's own buckets do. The joint histogram's cells (which prompts
+  had which outputs) are carried the same way. The window's lengths stand when the
+  recent part holds fewer than `MIN_RECENT_REQUESTS`.
 The extrapolation is at most `MAX_STEPS` half windows: past that a trend is a guess.
 A mix under way is also carried `DESTINATION_S` on (`destination`), where the same stop
 at the old workload's emptied buckets makes it the new workload: where the shift leads.
@@ -97,6 +105,8 @@ def forecast(
                 # the last two thirds: their midpoints a third apart
                 base, less_recent, step_s = previous, False, recent.window_s
             mix_steps = steps * half_window_s / step_s  # as far ahead as the rate
+            if not less_recent and _began_in_recent(observation, previous, recent):
+                mix_steps *= 2  # a ramp from the recent part's start: twice its average
             far_steps = max(mix_steps, (recent.window_s / 2 + DESTINATION_S) / step_s)
             older = tuple(_older_counts(getattr(base, name), getattr(recent, name), less_recent)
                           for name in ("prompt", "output", "joint"))
@@ -104,6 +114,32 @@ def forecast(
             destination = _carried_workload(observation, recent, older, far_steps)
             is_mix_trend = True
     return Forecast(rate_rps, workload, steps, is_rate_trend, is_mix_trend, destination)
+
+
+def _began_in_recent(observation: Observation, previous: Observation,
+                     recent: Observation) -> bool:
+    """Whether the mix began to move within the recent part: the third before it is no
+    trend against the window's first third (the window less the two, which must hold
+    `MIN_RECENT_REQUESTS`)."""
+    first = {}
+    for name in ("prompt", "output"):
+        whole, before, last = (getattr(o, name) for o in (observation, previous, recent))
+        if whole is None or before is None or last is None \
+                or len({whole.bounds, before.bounds, last.bounds}) > 1:
+            return False
+        counts = np.maximum(np.asarray(whole.bucket_counts, dtype=float)
+                            - before.bucket_counts - np.asarray(last.bucket_counts), 0.0)
+        first[name] = fit_lengths(whole.bucket_upper_tokens, counts)
+        if first[name] is None:
+            return False
+    num = observation.num_requests - previous.num_requests - recent.num_requests
+    if num < MIN_RECENT_REQUESTS:
+        return False
+    window_s = observation.window_s - previous.window_s - recent.window_s
+    start = Observation(end_s=previous.end_s - previous.window_s, window_s=window_s,
+                        num_requests=num, arrival_rate_rps=num / window_s,
+                        arrival_cv=None, **first)
+    return not is_shifted(start, previous, TREND_THRESHOLDS).is_mix_shifted
 
 
 def _carried_workload(observation: Observation, recent: Observation,
@@ -172,7 +208,7 @@ def _carried_counts(older_counts: np.ndarray, recent_counts: np.ndarray,
     older_share = older_counts / older_counts.sum()
     trend = recent_share - older_share
     emptying = (trend < 0) & (older_share >= MIN_BUCKET_SHARE)
-    if np.any(emptying):  # the carry stops where the first such bucket runs empty
-        steps = min(steps, float(np.min(recent_share[emptying] / -trend[emptying])))
+    if np.any(emptying):  # the carry stops where those buckets together run empty
+        steps = min(steps, float(recent_share[emptying].sum() / -trend[emptying].sum()))
     ahead = np.maximum(recent_share + trend * steps, 0.0)
     return ahead / ahead.sum() * recent_counts.sum()  # as many requests as the recent part
