@@ -343,7 +343,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hours", type=float, default=2.5)
     parser.add_argument("--base-rps", type=float, default=2.0)
-    parser.add_argument("--interval-s", type=float, default=300,
+    parser.add_argument("--interval-s", type=float, default=60,
                         help="seconds between two decisions (the spec's intervalSeconds)")
     parser.add_argument("--score-s", type=float, default=300,
                         help="seconds of the windows attainment and GPUs are scored on")

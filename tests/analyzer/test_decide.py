@@ -24,8 +24,8 @@ from distserve.latency import Correction
 
 
 def make_settings(**fields) -> ReplanningSpec:
-    values = dict(enabled=True, holdSeconds=300, cooldownSeconds=900, minRequests=200,
-                  headroom=1.2, reloadSeconds=180, minGain=0.15)
+    values = dict(enabled=True, intervalSeconds=300, holdSeconds=300, cooldownSeconds=900,
+                  minRequests=200, headroom=1.2, reloadSeconds=180, minGain=0.15)
     values.update(fields)
     return ReplanningSpec.model_validate(values)
 
@@ -434,7 +434,8 @@ def test_the_correction_blends_each_window_fit_and_skips_a_reshuffled_or_moving_
 def test_settings_refuse_a_window_shorter_than_the_interval():
     with pytest.raises(ValueError, match="windowSeconds"):
         ReplanningSpec.model_validate({"intervalSeconds": 600, "windowSeconds": 300})
-    assert ReplanningSpec().window_seconds == 900
+    defaults = ReplanningSpec()
+    assert (defaults.interval_seconds, defaults.window_seconds) == (60, 900)
 
 
 def test_the_state_survives_a_round_trip_through_json():

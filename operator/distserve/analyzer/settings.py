@@ -25,7 +25,7 @@ class ReplanningSpec(SpecModel):
         "Unset: no observation, so no decision.",
     )
     interval_seconds: float = Field(
-        default=300, gt=0, description="Seconds between two observations (and decisions)."
+        default=60, gt=0, description="Seconds between two observations (and decisions)."
     )
     window_seconds: float = Field(
         default=900, gt=0, description="Seconds of traffic one observation covers."
