@@ -32,9 +32,9 @@ gives the traffic there:
   alone empties at its own step, and the first of those is noise's pick: stopped at the
   first, the carry of the replanning benchmark's code -> summarization ramp read 933
   prompt tokens as the destination at minute 45 (seed 2), together 1038, and the plan
-  sized at the first was outgrown five minutes later. Smaller buckets neither stop the carry nor count
-  towards it, and end at zero: a small bucket the two workloads share empties long
-  before the old workload's own buckets do. The joint histogram's cells (which prompts
+  sized at the first was outgrown five minutes later. Smaller buckets neither stop the
+  carry nor count towards it, and end at zero: a small bucket the two workloads share
+  empties long before the old workload's own buckets do. The joint histogram's cells (which prompts
   had which outputs) are carried the same way. The window's lengths stand when the
   recent part holds fewer than `MIN_RECENT_REQUESTS`.
 The extrapolation is at most `MAX_STEPS` half windows: past that a trend is a guess.
@@ -128,7 +128,8 @@ def _began_in_recent(observation: Observation, previous: Observation,
                 or len({whole.bounds, before.bounds, last.bounds}) > 1:
             return False
         counts = np.maximum(np.asarray(whole.bucket_counts, dtype=float)
-                            - before.bucket_counts - np.asarray(last.bucket_counts), 0.0)
+                            - np.asarray(before.bucket_counts, dtype=float)
+                            - np.asarray(last.bucket_counts, dtype=float), 0.0)
         first[name] = fit_lengths(whole.bucket_upper_tokens, counts)
         if first[name] is None:
             return False
