@@ -1392,6 +1392,15 @@ int packed_linear_bf16(const uint16_t *a, int64_t lda, int64_t m, const uint16_t
     return failed ? -1 : 0;
 }
 
+#else
+int packed_linear_bf16_supported(void) { return 0; }
+int packed_linear_bf16(const uint16_t *a, int64_t lda, int64_t m, const uint16_t *packed,
+                       int64_t n, int64_t k, const uint16_t *bias, uint16_t *c, int64_t ldc,
+                       int num_threads) {
+    return -1;
+}
+#endif
+
 /* prefill_attention_bf16: prefill_attention_f32's causal attention (the same arguments,
  * the same unpadded layout) for bfloat16 q, k, v and out, its two products on AMX's
  * tiles: head_dim a multiple of 32 up to ATTN_AMX_MAX_HEAD_DIM; -2 (nothing written)
@@ -1414,7 +1423,7 @@ int packed_linear_bf16(const uint16_t *a, int64_t lda, int64_t m, const uint16_t
 #define ATTN_SCORE_STRIDE(padded) ((padded) + 16)
 #define ATTN_WEIGHT_STRIDE(padded) ((padded) + 32)
 
-#if defined(__AVX512F__)
+#if defined(HAS_TARGET_ATTRIBUTES) && defined(__AVX512F__)
 /* 16 rows x 16 columns of 32-bit words at src (rows src_stride words apart; rows past
  * `rows` read as 0) written transposed: dst row w holds word w of each source row */
 static inline void transpose_words16(const uint32_t *src, int64_t src_stride, int64_t rows,
@@ -1455,6 +1464,42 @@ static inline float softmax_weights_bf16(const float *row, int64_t count, float 
         _mm256_storeu_si256((__m256i *)(weights + whole), (__m256i)_mm512_cvtneps_pbh(e));
     }
     return _mm512_reduce_add_ps(total_w);
+}
+
+/* 16 rows of products on the tiles, `n` (1-4) column tiles at once: tile i of out (floats,
+ * out + i * 16, rows out_stride bytes apart) = the sum over `chunks` chunks c of a's 16 x 32
+ * chunk (a + c * 32, rows a_stride bytes apart) times B's tile at b + c * b_chunk + i * b_tile
+ * (16 pairs x 16 columns in the pair layout, 64 bytes a row) */
+__attribute__((target("amx-tile,amx-bf16")))
+static inline void amx_rows16_tiles4(const uint16_t *a, int64_t a_stride, const uint16_t *b,
+                                     int64_t b_chunk, int64_t b_tile, int64_t chunks, int64_t n,
+                                     float *out, int64_t out_stride) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < chunks; ++c) {
+        const uint16_t *bc = b + c * b_chunk;
+        _tile_loadd(4, a + c * 32, a_stride);
+        _tile_loadd(5, bc, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (n > 1) {
+            _tile_loadd(6, bc + b_tile, 64);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (n > 2) {
+            _tile_loadd(5, bc + 2 * b_tile, 64);
+            _tile_dpbf16ps(2, 4, 5);
+        }
+        if (n > 3) {
+            _tile_loadd(6, bc + 3 * b_tile, 64);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+    }
+    _tile_stored(0, out, out_stride);
+    if (n > 1) _tile_stored(1, out + 16, out_stride);
+    if (n > 2) _tile_stored(2, out + 32, out_stride);
+    if (n > 3) _tile_stored(3, out + 48, out_stride);
 }
 
 /* one (sequence, KV head): see prefill_attention_bf16. kp, vp, scores, probs, qbuf and
@@ -1499,35 +1544,9 @@ static void amx_attend_kv_head(const uint16_t *q, int64_t q_stride, const uint16
                 a_stride = head_dim;
             }
             const int64_t tiles = (keys + 15) / 16, stride_s = ATTN_SCORE_STRIDE(padded);
-            for (int64_t t = 0; t < tiles; t += 4) {  /* scores, 4 key tiles at a time */
-                const int64_t nt = tiles - t < 4 ? tiles - t : 4;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t c = 0; c < chunks; ++c) {
-                    _tile_loadd(4, a + c * 32, a_stride * 2);
-                    const uint16_t *b = kp + (t * chunks + c) * 512;
-                    _tile_loadd(5, b, 64);
-                    _tile_dpbf16ps(0, 4, 5);
-                    if (nt > 1) {
-                        _tile_loadd(6, b + chunks * 512, 64);
-                        _tile_dpbf16ps(1, 4, 6);
-                    }
-                    if (nt > 2) {
-                        _tile_loadd(5, b + 2 * chunks * 512, 64);
-                        _tile_dpbf16ps(2, 4, 5);
-                    }
-                    if (nt > 3) {
-                        _tile_loadd(6, b + 3 * chunks * 512, 64);
-                        _tile_dpbf16ps(3, 4, 6);
-                    }
-                }
-                _tile_stored(0, scores + t * 16, stride_s * 4);
-                if (nt > 1) _tile_stored(1, scores + (t + 1) * 16, stride_s * 4);
-                if (nt > 2) _tile_stored(2, scores + (t + 2) * 16, stride_s * 4);
-                if (nt > 3) _tile_stored(3, scores + (t + 3) * 16, stride_s * 4);
-            }
+            for (int64_t t = 0; t < tiles; t += 4)  /* scores, 4 key tiles at a time */
+                amx_rows16_tiles4(a, a_stride * 2, kp + t * chunks * 512, 512, chunks * 512, chunks,
+                                  tiles - t < 4 ? tiles - t : 4, scores + t * 16, stride_s * 4);
             const int64_t width = (keys + 31) / 32 * 32;  /* the weights' columns */
             float inverse[16];
             for (int64_t r = 0; r < 16; ++r) {
@@ -1538,35 +1557,10 @@ static void amx_attend_kv_head(const uint16_t *q, int64_t q_stride, const uint16
                 const int64_t written = (count + 15) / 16 * 16;
                 memset(weights + written, 0, sizeof(uint16_t) * (size_t)(width - written));
             }
-            for (int64_t p = 0; p < panels; p += 4) {  /* the values, 4 panels at a time */
-                const int64_t np = panels - p < 4 ? panels - p : 4;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t j = 0; j < width / 32; ++j) {
-                    _tile_loadd(4, probs + j * 32, ATTN_WEIGHT_STRIDE(padded) * 2);
-                    const uint16_t *b = vp + (j * panels + p) * 512;
-                    _tile_loadd(5, b, 64);
-                    _tile_dpbf16ps(0, 4, 5);
-                    if (np > 1) {
-                        _tile_loadd(6, b + 512, 64);
-                        _tile_dpbf16ps(1, 4, 6);
-                    }
-                    if (np > 2) {
-                        _tile_loadd(5, b + 1024, 64);
-                        _tile_dpbf16ps(2, 4, 5);
-                    }
-                    if (np > 3) {
-                        _tile_loadd(6, b + 1536, 64);
-                        _tile_dpbf16ps(3, 4, 6);
-                    }
-                }
-                _tile_stored(0, sums + p * 16, head_dim * 4);
-                if (np > 1) _tile_stored(1, sums + (p + 1) * 16, head_dim * 4);
-                if (np > 2) _tile_stored(2, sums + (p + 2) * 16, head_dim * 4);
-                if (np > 3) _tile_stored(3, sums + (p + 3) * 16, head_dim * 4);
-            }
+            for (int64_t p = 0; p < panels; p += 4)  /* the values, 4 panels at a time */
+                amx_rows16_tiles4(probs, ATTN_WEIGHT_STRIDE(padded) * 2, vp + p * 512, panels * 512,
+                                  512, width / 32, panels - p < 4 ? panels - p : 4, sums + p * 16,
+                                  head_dim * 4);
             for (int64_t r = 0; r < rows; ++r) {
                 const __m512 inv = _mm512_set1_ps(inverse[r]);
                 uint16_t *o = out + (i0 + r) * out_stride + head * head_dim;
@@ -1598,7 +1592,6 @@ static void amx_attend_tasks(const uint16_t *q, const uint16_t *k, const uint16_
     }
     _tile_release();
 }
-
 
 int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                            const int64_t *lens, int64_t batch, int64_t num_heads,
@@ -1644,20 +1637,6 @@ int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t 
                            int64_t num_kv_heads, int64_t head_dim, int64_t q_stride,
                            int64_t kv_stride, float scale, uint16_t *out, int num_threads) {
     return -2;
-}
-#endif
-#else
-int packed_linear_bf16_supported(void) { return 0; }
-int prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                           const int64_t *lens, int64_t batch, int64_t num_heads,
-                           int64_t num_kv_heads, int64_t head_dim, int64_t q_stride,
-                           int64_t kv_stride, float scale, uint16_t *out, int num_threads) {
-    return -2;
-}
-int packed_linear_bf16(const uint16_t *a, int64_t lda, int64_t m, const uint16_t *packed,
-                       int64_t n, int64_t k, const uint16_t *bias, uint16_t *c, int64_t ldc,
-                       int num_threads) {
-    return -1;
 }
 #endif
 

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 from sim_factories import make_instance, make_trace
 
-from distserve.simulator import SLO, Trace, TransferModel, simulate_colocated, simulate_disaggregated
+from distserve.simulator import (
+    SLO,
+    Trace,
+    TransferModel,
+    simulate_colocated,
+    simulate_disaggregated,
+)
 
 PROMPT = 512
 D_S = 0.1  # execution time of one 512-token prompt on one GPU (prefill_s_per_token * 512)

@@ -276,7 +276,7 @@ def _report(spec, shape, trace, row: tuple, ctx, profiled, factors_from: str | N
     sent = requests_of(trace.at_rate(rate))
     if factors_from is not None:
         text += (f"\n  simulated with the factors of {factors_from}: "
-                 f"{_correction_text(ctx.correction)}")
+                 f"{ctx.correction.describe()}")
         text += "\n" + format_other("with the profile as measured",
                                      predict_run(profiled, shape, sent, rate))
     text += f"\n  this run's iterations against the profile: {run_fit.describe()}"
@@ -307,15 +307,8 @@ def _report_in_run(spec, shape, trace, row: tuple, outcomes, profiled, first_fit
                             scored_from=IN_RUN_REQUESTS)
     what = (f"{shape.describe()}, the run's requests after its first {IN_RUN_REQUESTS}, "
             f"simulated with the factors of the iterations while those arrived "
-            f"({_correction_text(ctx.correction)})")
+            f"({ctx.correction.describe()})")
     _say(format_comparison(what, rate, measured, predicted, load, spec.slo.attainment))
-
-
-def _correction_text(c) -> str:
-    """e.g. "prefill x1.02, decode x0.75 + 0.58 ms a sequence"."""
-    per_sequence = (f" + {c.decode_sequence_s * 1e3:.2f} ms a sequence"
-                    if c.decode_sequence_s else "")
-    return f"prefill x{c.prefill_factor:.2f}, decode x{c.decode_factor:.2f}{per_sequence}"
 
 
 def _compare_at(url: str, spec, ctx, shape, trace, rate: float, drive_fn) -> tuple:

@@ -49,6 +49,11 @@ class Correction:
         return (self.prefill_factor == 1.0 and self.decode_factor == 1.0
                 and self.decode_sequence_s == 0.0)
 
+    def describe(self) -> str:
+        """e.g. "prefill x1.02, decode x0.75 + 0.58 ms a sequence"."""
+        return (f"prefill x{self.prefill_factor:.2f}, decode x{self.decode_factor:.2f}"
+                f"{per_sequence_text(self.decode_sequence_s)}")
+
     @staticmethod
     def clamped(prefill_factor: float, decode_factor: float,
                 decode_sequence_s: float = 0.0) -> Correction:
@@ -59,6 +64,11 @@ class Correction:
 
         return Correction(clamp(prefill_factor), clamp(decode_factor),
                           min(MAX_SEQUENCE_S, max(0.0, decode_sequence_s)))
+
+
+def per_sequence_text(seconds: float) -> str:
+    """A decode step's time per sequence as a suffix, " + 0.58 ms a sequence" ("" for none)."""
+    return f" + {seconds * 1e3:.2f} ms a sequence" if seconds > 0 else ""
 
 
 class CorrectedLatencyModel:

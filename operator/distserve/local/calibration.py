@@ -8,11 +8,12 @@ with the engine thread's overhead before each (`GET /debug/iterations`,
 `distserve_engine.instance.iterations`); here every one of them is set beside the time
 the profile gives the very same batch (its lengths, the instance's tp and pp and serving
 mode), and the ratio of the sums, per phase, is a `Correction` the simulator can run
-with (for decode, the factor beside a time per sequence of a step, fitted by least squares
-over the steps: the tokens a serving instance streams and the KV it imports grow with its
-batch, where the profile's bare steps do not; on SmolLM2 0.05-1.05 ms a sequence): a simulated iteration stands for all the time its instance is busy with it. The ratio of sums weighs each iteration by its
-time, as a phase's capacity does; the spread of the per-iteration ratios says how
-steady it is. Each runner call also keeps the engine thread's CPU time, so the fit says
+with (for decode, the factor beside a time per sequence of a step, fitted by least
+squares over the steps: the tokens a serving instance streams and the KV it imports grow
+with its batch, where the profile's bare steps do not; on SmolLM2 0.05-1.05 ms a
+sequence): a simulated iteration stands for all the time its instance is busy with it.
+The ratio of sums weighs each iteration by its time, as a phase's capacity does; the
+spread of the per-iteration ratios says how steady it is. Each runner call also keeps the engine thread's CPU time, so the fit says
 how much of its calls' time the runner held its core: what is left of a factor is the
 runner itself running slower or faster than when the profile was measured (on SmolLM2 in
 bfloat16, factors of x0.96-1.61 over four runs of `distserve fidelity` in an hour, the
@@ -29,12 +30,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from distserve.latency import Correction
+from distserve.latency.corrected import per_sequence_text
 from distserve.local.prediction import LocalShape
 from distserve.local.settings import local_instance_name
 from distserve.search.candidates import Config
 from distserve.search.trials import SearchContext, instance_model
 from distserve_engine.instance.iterations import ITERATION_HISTORY, KINDS, Iteration
-
 
 MIN_SEQUENCE_S = 1e-6  # a time per sequence below this is the fit's rounding: none
 
@@ -71,11 +72,10 @@ class PhaseFit:
             return f"{self.phase}: no iterations (x1.00)"
         core = (f", the runner on its core {self.runner_cpu_s / self.runner_s:.0%} of its calls' "
                 "time" if self.runner_s > 0 else "")
-        per_sequence = (f" + {self.sequence_s * 1e3:.2f} ms a sequence" if self.sequence_s > 0
-                        else "")
-        return (f"{self.phase} x{self.factor:.2f}{per_sequence} (per iteration x{self.p10:.2f}-{self.p90:.2f}, "
-                f"{self.num_iterations} iterations, {self.overhead_s / self.measured_s:.0%} of "
-                f"the time between runner calls{core})")
+        between = self.overhead_s / self.measured_s
+        return (f"{self.phase} x{self.factor:.2f}{per_sequence_text(self.sequence_s)} (per "
+                f"iteration x{self.p10:.2f}-{self.p90:.2f}, {self.num_iterations} iterations, "
+                f"{between:.0%} of the time between runner calls{core})")
 
 
 @dataclass(frozen=True)

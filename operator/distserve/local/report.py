@@ -112,8 +112,8 @@ def format_comparison(what: str, rate: float, measured, predicted, load: tuple[f
     """One rate's block: each figure measured, simulated, the gap and the goal, and the load."""
     load_text = f"load {load[0]:.1f} -> {load[2]:.1f} (mean {load[1]:.1f})"
     lines = [f"{what} at {rate:g} req/s: {measured.num_requests} requests, "
-             f"{measured.num_errors} errors (simulated {predicted.num_errors} refused or unfinished); {load_text}; "
-             "gap: simulated less measured"]
+             f"{measured.num_errors} errors (simulated {predicted.num_errors} refused or "
+             f"unfinished); {load_text}; gap: simulated less measured"]
     gap = (predicted.attainment - measured.attainment) * 100  # simulated - measured
     lines.append(f"  attainment  measured {measured.attainment:6.1%}  simulated {predicted.attainment:6.1%}"
                  f"  gap {gap:+5.1f} pt  {'within' if abs(gap) <= 2 else 'outside'} 2 pt   "
