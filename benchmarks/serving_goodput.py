@@ -19,8 +19,16 @@ Each deployment's queues start empty at each rate: near one core's prefill capac
 (1/P) a queue grows for the whole replay, so the more requests per rate, the nearer the
 figure is to the steady state.
 
-    python benchmarks/serving_goodput.py [--fractions 0.4,0.55,...,1.3] [--requests 60]
+Which deployment wins depends on the SLOs, as in the paper's SLO-scale figures: a loose
+TTFT lets one prefill core queue, a tight TPOT is what a colocated decode stream misses
+behind its neighbour's prefills. So every request's TTFT and TPOT are kept, and after the
+runs both deployments' goodputs are recomputed from the same requests for a grid of SLO
+scales (--ttft-scales x --tpot-scales): a deployment climbs to higher rates until it
+misses even the grid's loosest pair, so each goodput in the grid has the rate past it.
+
+    python benchmarks/serving_goodput.py [--fractions 0.4,0.55,...,1.9] [--requests 60]
         [--ttft-slo S --tpot-slo S]   # fixed SLOs instead of the calibrated ones
+        [--ttft-scales 3,6,12,24 --tpot-scales 1.5,2,2.5,4]   # the grid (x P, x D)
         [--dtype auto|float32|bfloat16]  # the engine's (auto: bfloat16 on a CPU with AMX
                                          # or AVX512-BF16, as `distserve up` serves)
 """
@@ -39,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distserve.local.launcher import LocalLauncher
-from distserve.local.load import drive
+from distserve.local.load import Outcome, drive
 from distserve.local.report import summarize
 from distserve.local.settings import find_model_path, serve_settings
 from distserve.spec import load_manifest
@@ -134,10 +142,19 @@ def goodput_of(points: list[tuple[float, float]]) -> Goodput:
     return Goodput(rate, rate + share * (next_rate - rate))
 
 
+Slo = tuple[float, float]  # (TTFT, TPOT) seconds
+Measured = list[tuple[float, list[Outcome]]]  # (rate, what each request saw), low to high
+
+
+def attainment(outcomes: list[Outcome], slo: Slo) -> float:
+    return sum(o.meets(*slo) for o in outcomes) / max(1, len(outcomes))
+
+
 def run_config(label: str, settings: ServeSettings, rates: list[float], num: int,
-               slo: tuple[float, float]) -> Goodput:
-    """Attainment at each rate, low to high; return the goodput."""
-    points: list[tuple[float, float]] = []
+               slo: Slo, loosest: Slo) -> Measured:
+    """Each rate, low to high, until attainment under the loosest SLOs of the grid falls
+    under STOP_BELOW, or under the target twice in a row; what every request saw."""
+    measured: Measured = []
     with LocalLauncher(settings, port=PORT) as launcher:
         warmup = make_requests(0.5, 2, 99)
         asyncio.run(drive(launcher.url, settings.model_name, warmup, show_progress=False))
@@ -150,22 +167,51 @@ def run_config(label: str, settings: ServeSettings, rates: list[float], num: int
                   f"TTFT p50/p90 {s.ttft_p_s[50]:5.2f}/{s.ttft_p_s[90]:5.2f} s  "
                   f"TPOT p50/p90 {s.tpot_p_s[50]:.3f}/{s.tpot_p_s[90]:.3f} s  errors {s.num_errors}  "
                   f"({time.monotonic() - started_s:.0f} s, load {os.getloadavg()[0]:.2f})", flush=True)
-            points.append((rate, s.attainment))
-            if s.attainment < STOP_BELOW or (
-                len(points) >= 2 and all(a < TARGET for _, a in points[-2:])
-            ):
-                print(f"{label:<14} under the target: higher rates skipped", flush=True)
+            measured.append((rate, outcomes))
+            at_loosest = [attainment(o, loosest) for _, o in measured]
+            if at_loosest[-1] < STOP_BELOW or (len(at_loosest) >= 2 and max(at_loosest[-2:]) < TARGET):
+                print(f"{label:<14} under the target even at the grid's loosest SLOs: higher rates skipped",
+                      flush=True)
                 break
-    return goodput_of(points)
+    return measured
+
+
+def goodput_at(measured: Measured, slo: Slo) -> Goodput:
+    return goodput_of([(rate, attainment(outcomes, slo)) for rate, outcomes in measured])
+
+
+def ratio_text(g_d: Goodput, g_c: Goodput) -> str:
+    """Disaggregated over colocated at the crossings, marked where a figure is a bound."""
+    if not g_c.met_rps:
+        return "inf" if g_d.met_rps else "n/a"
+    mark = (">=" if g_d.crossing_rps is None else "") + ("<=" if g_c.crossing_rps is None else "")
+    return f"{mark}{g_d.figure_rps / g_c.figure_rps:.2f}x"
+
+
+def print_slo_grid(disagg: Measured, coloc: Measured, prefill_s: float, decode_s: float,
+                   ttft_scales: list[float], tpot_scales: list[float]) -> None:
+    """Both goodputs and their ratio for each SLO pair, from the requests measured above."""
+    print("goodput by SLO scale, from the same requests (disaggregated / colocated x2 req/s, "
+          "ratio; >= where the deployment met the target at every rate it tried):")
+    print("  TPOT \\ TTFT " + "".join(f"{f'{t:g} x P':>24}" for t in ttft_scales))
+    for tpot_scale in tpot_scales:
+        cells = []
+        for ttft_scale in ttft_scales:
+            slo = (ttft_scale * prefill_s, tpot_scale * decode_s)
+            g_d, g_c = goodput_at(disagg, slo), goodput_at(coloc, slo)
+            cells.append(f"{g_d.figure_rps:.2f}/{g_c.figure_rps:.2f} {ratio_text(g_d, g_c):>7}")
+        print(f"  {f'{tpot_scale:g} x D':<12}" + "".join(f"{c:>24}" for c in cells))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fractions", default="0.4,0.55,0.7,0.85,1.0,1.15,1.3",
+    parser.add_argument("--fractions", default="0.4,0.55,0.7,0.85,1.0,1.15,1.3,1.6,1.9",
                         help="rates as fractions of one core's prefill capacity 1/P")
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--ttft-slo", type=float, default=None)
     parser.add_argument("--tpot-slo", type=float, default=None)
+    parser.add_argument("--ttft-scales", default="3,6,12,24", help="the grid's TTFT SLOs, x P")
+    parser.add_argument("--tpot-scales", default="1.5,2,2.5,4", help="the grid's TPOT SLOs, x D")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="the engine's dtype (auto: its choice on this CPU, as `distserve up`)")
     args = parser.parse_args()
@@ -181,10 +227,14 @@ def main() -> None:
     print(f"SLOs: TTFT <= {slo[0]:.2f} s, TPOT <= {slo[1]:.3f} s, target {TARGET:.0%}; prompts "
           f"{PROMPT_TOKENS} tokens, outputs {OUTPUT_TOKENS}; {args.requests} Poisson requests per rate; "
           f"rates {rates} req/s (= {args.fractions} x 1/P)", flush=True)
-    disagg = serve_settings(spec, {"prefill": 1, "decode": 1}, "bench", path)
-    coloc = serve_settings(spec, {"colocated": 2}, "bench", path)
-    g_d = run_config("disaggregated", disagg, rates, args.requests, slo)
-    g_c = run_config("colocated x2", coloc, rates, args.requests, slo)
+    ttft_scales = [float(x) for x in args.ttft_scales.split(",")]
+    tpot_scales = [float(x) for x in args.tpot_scales.split(",")]
+    loosest = (max(ttft_scales + [slo[0] / prefill_s]) * prefill_s, max(tpot_scales + [slo[1] / decode_s]) * decode_s)
+    disagg = run_config("disaggregated", serve_settings(spec, {"prefill": 1, "decode": 1}, "bench", path),
+                        rates, args.requests, slo, loosest)
+    coloc = run_config("colocated x2", serve_settings(spec, {"colocated": 2}, "bench", path),
+                       rates, args.requests, slo, loosest)
+    g_d, g_c = goodput_at(disagg, slo), goodput_at(coloc, slo)
     if not g_c.met_rps:
         ratio = "n/a (colocated met the target at no rate tried)"
     else:
@@ -193,6 +243,7 @@ def main() -> None:
         ratio = (f"{g_d.figure_rps / g_c.figure_rps:.2f}x at the crossings{bound}; "
                  f"{g_d.met_rps / g_c.met_rps:.2f}x at the highest rates met")
     print(f"goodput: disaggregated {g_d.describe()}, colocated x2 {g_c.describe()}; ratio {ratio}")
+    print_slo_grid(disagg, coloc, prefill_s, decode_s, ttft_scales, tpot_scales)
     print(f"load average after: {os.getloadavg()}")
 
 
