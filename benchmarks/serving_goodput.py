@@ -180,26 +180,39 @@ def goodput_at(measured: Measured, slo: Slo) -> Goodput:
     return goodput_of([(rate, attainment(outcomes, slo)) for rate, outcomes in measured])
 
 
-def ratio_text(g_d: Goodput, g_c: Goodput) -> str:
-    """Disaggregated over colocated at the crossings, marked where a figure is a bound."""
+def goodput_text(g: Goodput, lowest_rps: float) -> str:
+    if not g.met_rps:
+        return f"<{lowest_rps:.2f}"
+    return f"{'>=' if g.crossing_rps is None else ''}{g.figure_rps:.2f}"
+
+
+def ratio_text(g_d: Goodput, g_c: Goodput, lowest_rps: float) -> str:
+    """Disaggregated over colocated at the crossings; where either missed the target at
+    every rate tried or met it at every one, the ratio is a bound and says which."""
+    if not g_d.met_rps:
+        return "n/a" if not g_c.met_rps else f"<{lowest_rps / g_c.figure_rps:.2f}x"
     if not g_c.met_rps:
-        return "inf" if g_d.met_rps else "n/a"
-    mark = (">=" if g_d.crossing_rps is None else "") + ("<=" if g_c.crossing_rps is None else "")
+        return f">{g_d.figure_rps / lowest_rps:.2f}x"
+    if g_d.crossing_rps is None and g_c.crossing_rps is None:
+        return "?"
+    mark = ">=" if g_d.crossing_rps is None else "<=" if g_c.crossing_rps is None else ""
     return f"{mark}{g_d.figure_rps / g_c.figure_rps:.2f}x"
 
 
 def print_slo_grid(disagg: Measured, coloc: Measured, prefill_s: float, decode_s: float,
                    ttft_scales: list[float], tpot_scales: list[float]) -> None:
     """Both goodputs and their ratio for each SLO pair, from the requests measured above."""
-    print("goodput by SLO scale, from the same requests (disaggregated / colocated x2 req/s, "
-          "ratio; >= where the deployment met the target at every rate it tried):")
+    lowest = min(rate for rate, _ in disagg + coloc)
+    print("goodput by SLO scale, from the same requests (disaggregated / colocated x2 req/s, and "
+          "their ratio; >= met the target at every rate tried, < at none):")
     print("  TPOT \\ TTFT " + "".join(f"{f'{t:g} x P':>24}" for t in ttft_scales))
     for tpot_scale in tpot_scales:
         cells = []
         for ttft_scale in ttft_scales:
             slo = (ttft_scale * prefill_s, tpot_scale * decode_s)
             g_d, g_c = goodput_at(disagg, slo), goodput_at(coloc, slo)
-            cells.append(f"{g_d.figure_rps:.2f}/{g_c.figure_rps:.2f} {ratio_text(g_d, g_c):>7}")
+            cells.append(f"{goodput_text(g_d, lowest)}/{goodput_text(g_c, lowest)} "
+                         f"{ratio_text(g_d, g_c, lowest):>8}")
         print(f"  {f'{tpot_scale:g} x D':<12}" + "".join(f"{c:>24}" for c in cells))
 
 
