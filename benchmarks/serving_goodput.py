@@ -29,6 +29,7 @@ misses even the grid's loosest pair, so each goodput in the grid has the rate pa
     python benchmarks/serving_goodput.py [--fractions 0.4,0.55,...,1.9] [--requests 60]
         [--ttft-slo S --tpot-slo S]   # fixed SLOs instead of the calibrated ones
         [--ttft-scales 3,6,12,24 --tpot-scales 1.5,2,2.5,4]   # the grid (x P, x D)
+        [--deployments disaggregated,colocated]  # one alone to repeat its figure
         [--dtype auto|float32|bfloat16]  # the engine's (auto: bfloat16 on a CPU with AMX
                                          # or AVX512-BF16, as `distserve up` serves)
 """
@@ -225,9 +226,15 @@ def main() -> None:
     parser.add_argument("--tpot-slo", type=float, default=None)
     parser.add_argument("--ttft-scales", default="3,6,12,24", help="the grid's TTFT SLOs, x P")
     parser.add_argument("--tpot-scales", default="1.5,2,2.5,4", help="the grid's TPOT SLOs, x D")
+    parser.add_argument("--deployments", default="disaggregated,colocated",
+                        help="which to run (one alone prints its goodput, no ratio)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="the engine's dtype (auto: its choice on this CPU, as `distserve up`)")
     args = parser.parse_args()
+    shapes = {"disaggregated": {"prefill": 1, "decode": 1}, "colocated": {"colocated": 2}}
+    chosen = args.deployments.split(",")
+    if unknown := [d for d in chosen if d not in shapes]:
+        parser.error(f"--deployments: unknown {unknown}; expected a comma list of {sorted(shapes)}")
     spec = load_manifest("examples/local.yaml").spec
     spec.model.dtype = args.dtype
     path = find_model_path(spec)
@@ -242,21 +249,26 @@ def main() -> None:
           f"rates {rates} req/s (= {args.fractions} x 1/P)", flush=True)
     ttft_scales = [float(x) for x in args.ttft_scales.split(",")]
     tpot_scales = [float(x) for x in args.tpot_scales.split(",")]
-    loosest = (max(ttft_scales + [slo[0] / prefill_s]) * prefill_s, max(tpot_scales + [slo[1] / decode_s]) * decode_s)
-    disagg = run_config("disaggregated", serve_settings(spec, {"prefill": 1, "decode": 1}, "bench", path),
-                        rates, args.requests, slo, loosest)
-    coloc = run_config("colocated x2", serve_settings(spec, {"colocated": 2}, "bench", path),
-                       rates, args.requests, slo, loosest)
-    g_d, g_c = goodput_at(disagg, slo), goodput_at(coloc, slo)
-    if not g_c.met_rps:
-        ratio = "n/a (colocated met the target at no rate tried)"
+    loosest = (max(ttft_scales + [slo[0] / prefill_s]) * prefill_s,
+               max(tpot_scales + [slo[1] / decode_s]) * decode_s)
+    measured = {d: run_config("disaggregated" if d == "disaggregated" else "colocated x2",
+                              serve_settings(spec, shapes[d], "bench", path),
+                              rates, args.requests, slo, loosest) for d in chosen}
+    if len(measured) == 1:
+        ((name, alone),) = measured.items()
+        print(f"goodput: {name} {goodput_at(alone, slo).describe()}")
     else:
-        bound = " (a lower bound: disaggregated missed the target at no rate tried)" if (
-            g_d.crossing_rps is None) else ""
-        ratio = (f"{g_d.figure_rps / g_c.figure_rps:.2f}x at the crossings{bound}; "
-                 f"{g_d.met_rps / g_c.met_rps:.2f}x at the highest rates met")
-    print(f"goodput: disaggregated {g_d.describe()}, colocated x2 {g_c.describe()}; ratio {ratio}")
-    print_slo_grid(disagg, coloc, prefill_s, decode_s, ttft_scales, tpot_scales)
+        disagg, coloc = measured["disaggregated"], measured["colocated"]
+        g_d, g_c = goodput_at(disagg, slo), goodput_at(coloc, slo)
+        if not g_c.met_rps:
+            ratio = "n/a (colocated met the target at no rate tried)"
+        else:
+            bound = " (a lower bound: disaggregated missed the target at no rate tried)" if (
+                g_d.crossing_rps is None) else ""
+            ratio = (f"{g_d.figure_rps / g_c.figure_rps:.2f}x at the crossings{bound}; "
+                     f"{g_d.met_rps / g_c.met_rps:.2f}x at the highest rates met")
+        print(f"goodput: disaggregated {g_d.describe()}, colocated x2 {g_c.describe()}; ratio {ratio}")
+        print_slo_grid(disagg, coloc, prefill_s, decode_s, ttft_scales, tpot_scales)
     print(f"load average after: {os.getloadavg()}")
 
 
