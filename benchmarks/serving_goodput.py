@@ -203,7 +203,7 @@ def ratio_text(g_d: Goodput, g_c: Goodput, lowest_rps: float) -> str:
 def print_slo_grid(disagg: Measured, coloc: Measured, prefill_s: float, decode_s: float,
                    ttft_scales: list[float], tpot_scales: list[float]) -> None:
     """Both goodputs and their ratio for each SLO pair, from the requests measured above."""
-    lowest = min(rate for rate, _ in disagg + coloc)
+    lowest = min(rate for rate, _ in disagg + coloc)  # both start at the same rate
     print("goodput by SLO scale, from the same requests (disaggregated / colocated x2 req/s, and "
           "their ratio; >= met the target at every rate tried, < at none):")
     print("  TPOT \\ TTFT " + "".join(f"{f'{t:g} x P':>24}" for t in ttft_scales))
@@ -231,7 +231,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="the engine's dtype (auto: its choice on this CPU, as `distserve up`)")
     args = parser.parse_args()
-    shapes = {"disaggregated": {"prefill": 1, "decode": 1}, "colocated": {"colocated": 2}}
+    shapes = {"disaggregated": ("disaggregated", {"prefill": 1, "decode": 1}),
+              "colocated": ("colocated x2", {"colocated": 2})}
     chosen = args.deployments.split(",")
     if unknown := [d for d in chosen if d not in shapes]:
         parser.error(f"--deployments: unknown {unknown}; expected a comma list of {sorted(shapes)}")
@@ -251,8 +252,7 @@ def main() -> None:
     tpot_scales = [float(x) for x in args.tpot_scales.split(",")]
     loosest = (max(ttft_scales + [slo[0] / prefill_s]) * prefill_s,
                max(tpot_scales + [slo[1] / decode_s]) * decode_s)
-    measured = {d: run_config("disaggregated" if d == "disaggregated" else "colocated x2",
-                              serve_settings(spec, shapes[d], "bench", path),
+    measured = {d: run_config(shapes[d][0], serve_settings(spec, shapes[d][1], "bench", path),
                               rates, args.requests, slo, loosest) for d in chosen}
     if len(measured) == 1:
         ((name, alone),) = measured.items()
@@ -260,14 +260,11 @@ def main() -> None:
     else:
         disagg, coloc = measured["disaggregated"], measured["colocated"]
         g_d, g_c = goodput_at(disagg, slo), goodput_at(coloc, slo)
-        if not g_c.met_rps:
-            ratio = "n/a (colocated met the target at no rate tried)"
-        else:
-            bound = " (a lower bound: disaggregated missed the target at no rate tried)" if (
-                g_d.crossing_rps is None) else ""
-            ratio = (f"{g_d.figure_rps / g_c.figure_rps:.2f}x at the crossings{bound}; "
-                     f"{g_d.met_rps / g_c.met_rps:.2f}x at the highest rates met")
-        print(f"goodput: disaggregated {g_d.describe()}, colocated x2 {g_c.describe()}; ratio {ratio}")
+        lowest = min(rates)
+        met = (f"; {g_d.met_rps / g_c.met_rps:.2f}x at the highest rates met"
+               if g_d.met_rps and g_c.met_rps else "")
+        print(f"goodput: disaggregated {g_d.describe()}, colocated x2 {g_c.describe()}; "
+              f"ratio {ratio_text(g_d, g_c, lowest)} at the crossings{met}")
         print_slo_grid(disagg, coloc, prefill_s, decode_s, ttft_scales, tpot_scales)
     print(f"load average after: {os.getloadavg()}")
 
