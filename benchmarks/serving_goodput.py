@@ -25,6 +25,10 @@ behind its neighbour's prefills. So every request's TTFT and TPOT are kept, and 
 runs both deployments' goodputs are recomputed from the same requests for a grid of SLO
 scales (--ttft-scales x --tpot-scales): a deployment climbs to higher rates until it
 misses even the grid's loosest pair, so each goodput in the grid has the rate past it.
+The CPU matters the same way: one neighbour's prefill adds P/(n-1) to the TPOT of a
+colocated stream of n tokens, so where P/D is large (a slow prefill against the decode
+step, as bfloat16 without AMX) one stall uses up the TPOT SLO, and where it is small
+(AMX's fast prefill) colocated absorbs several.
 
     python benchmarks/serving_goodput.py [--fractions 0.4,0.55,...,1.9] [--requests 60]
         [--ttft-slo S --tpot-slo S]   # fixed SLOs instead of the calibrated ones
