@@ -24,19 +24,19 @@ gives the traffic there:
   recent part: a ramp from its start has twice its average share at its end, so the
   trend is twice the difference (at that ramp's minute 45, seed 2, the horizon's mix
   read 628 prompt tokens carried at the difference, 886 at twice it, where ~1150 came
-  by the horizon's end). A mix moving from one workload to
-  another is a mixture whose weight moves; carried past the point where a bucket the
-  old workload held runs empty it would invent a workload heavier than the new one, so
-  the carry stops there: where the old workload's buckets (those of at least
-  `MIN_BUCKET_SHARE` of the older part that shrink) run empty together. Each of them
-  alone empties at its own step, and the first of those is noise's pick: stopped at the
-  first, the carry of the replanning benchmark's code -> summarization ramp read 933
-  prompt tokens as the destination at minute 45 (seed 2), together 1038, and the plan
-  sized at the first was outgrown five minutes later. Smaller buckets neither stop the
-  carry nor count towards it, and end at zero: a small bucket the two workloads share
-  empties long before the old workload's own buckets do. The joint histogram's cells (which prompts
-  had which outputs) are carried the same way. The window's lengths stand when the
-  recent part holds fewer than `MIN_RECENT_REQUESTS`.
+  by the horizon's end). A mix moving from one workload to another is a mixture whose
+  weight moves; carried past the point where a bucket the old workload held runs empty
+  it would invent a workload heavier than the new one, so the carry stops there: where
+  the old workload's buckets (those of at least `MIN_BUCKET_SHARE` of the older part
+  that shrink) run empty together. Each of them alone empties at its own step, and the
+  first of those is noise's pick: stopped at the first, the carry of the replanning
+  benchmark's code -> summarization ramp read 933 prompt tokens as the destination at
+  minute 45 (seed 2), together 1038, and the plan sized at the first was outgrown five
+  minutes later. Smaller buckets neither stop the carry nor count towards it, and end
+  at zero: a small bucket the two workloads share empties long before the old
+  workload's own buckets do. The joint histogram's cells (which prompts had which
+  outputs) are carried the same way. The window's lengths stand when the recent part
+  holds fewer than `MIN_RECENT_REQUESTS`.
 The extrapolation is at most `MAX_STEPS` half windows: past that a trend is a guess.
 A mix under way is also carried `DESTINATION_S` on (`destination`), where the same stop
 at the old workload's emptied buckets makes it the new workload: where the shift leads.
@@ -82,7 +82,7 @@ def forecast(
     if recent is None or recent.window_s <= 0 or recent.window_s >= observation.window_s:
         return Forecast(observation.arrival_rate_rps, observation, 0.0, False, False)
     thresholds = thresholds or ShiftThresholds()
-    older = _older_part(observation, recent)
+    older = _window_less(observation, recent)
     half_window_s = observation.window_s / 2  # the two parts' midpoints are this far apart
     steps = min(MAX_STEPS, (recent.window_s / 2 + max(0.0, horizon_s)) / half_window_s)
     rate_rps = recent.arrival_rate_rps
@@ -121,6 +121,9 @@ def _began_in_recent(observation: Observation, previous: Observation,
     """Whether the mix began to move within the recent part: the third before it is no
     trend against the window's first third (the window less the two, which must hold
     `MIN_RECENT_REQUESTS`)."""
+    start = _window_less(observation, previous, recent)
+    if start.num_requests < MIN_RECENT_REQUESTS:
+        return False
     first = {}
     for name in ("prompt", "output"):
         whole, before, last = (getattr(o, name) for o in (observation, previous, recent))
@@ -133,14 +136,7 @@ def _began_in_recent(observation: Observation, previous: Observation,
         first[name] = fit_lengths(whole.bucket_upper_tokens, counts)
         if first[name] is None:
             return False
-    num = observation.num_requests - previous.num_requests - recent.num_requests
-    if num < MIN_RECENT_REQUESTS:
-        return False
-    window_s = observation.window_s - previous.window_s - recent.window_s
-    start = Observation(end_s=previous.end_s - previous.window_s, window_s=window_s,
-                        num_requests=num, arrival_rate_rps=num / window_s,
-                        arrival_cv=None, **first)
-    return not is_shifted(start, previous, TREND_THRESHOLDS).is_mix_shifted
+    return not is_shifted(replace(start, **first), previous, TREND_THRESHOLDS).is_mix_shifted
 
 
 def _carried_workload(observation: Observation, recent: Observation,
@@ -153,12 +149,14 @@ def _carried_workload(observation: Observation, recent: Observation,
                    joint=_carried_joint(joint_counts, recent.joint, steps))
 
 
-def _older_part(observation: Observation, recent: Observation) -> Observation:
-    """The window less its recent part: arrivals and rate only (lengths: `_carried`)."""
-    window_s = observation.window_s - recent.window_s
-    num = max(0, observation.num_requests - recent.num_requests)
-    return Observation(end_s=observation.end_s - recent.window_s, window_s=window_s,
-                       num_requests=num, arrival_rate_rps=num / window_s,
+def _window_less(observation: Observation, *parts: Observation) -> Observation:
+    """The window less its last parts (the recent part, or the third before it and the
+    recent part): arrivals and rate only (lengths: `_carried`)."""
+    taken_s = sum(part.window_s for part in parts)
+    window_s = observation.window_s - taken_s
+    num = max(0, observation.num_requests - sum(part.num_requests for part in parts))
+    return Observation(end_s=observation.end_s - taken_s, window_s=window_s,
+                       num_requests=num, arrival_rate_rps=num / window_s if window_s > 0 else 0.0,
                        arrival_cv=observation.arrival_cv, prompt=None, output=None)
 
 

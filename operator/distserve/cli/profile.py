@@ -29,6 +29,7 @@ NAME = "profile"
 HELP = "Measure prefill and decode latency of the spec's model on this machine; write a profile."
 EXIT_PROFILE_ERROR = 1
 DEFAULT_PREFILL_TOKENS = {"cpu": 512, "cuda": 2048}
+ROW_MS_DIGITS = 4  # a tenth of a microsecond: sub-millisecond rows keep their fit error readable
 FORMULAS = {
     "prefill_ms": "a + b*S1 + c*S2, where S1 is the sum of the prompt lengths in the batch "
                   "and S2 the sum of their squares",
@@ -170,9 +171,6 @@ def profile_document(measured: Any, model: str, accelerator: str, provenance: di
             "decode": [_timing_row(t, "T", "B") for t in measured.decode_timings],
         },
     }
-
-
-ROW_MS_DIGITS = 4  # a tenth of a microsecond: sub-millisecond rows keep their fit error readable
 
 
 def _timing_row(timing: Any, x1: str, x2: str) -> dict:

@@ -13,11 +13,12 @@ squares over the steps: the tokens a serving instance streams and the KV it impo
 with its batch, where the profile's bare steps do not; on SmolLM2 0.05-1.05 ms a
 sequence): a simulated iteration stands for all the time its instance is busy with it.
 The ratio of sums weighs each iteration by its time, as a phase's capacity does; the
-spread of the per-iteration ratios says how steady it is. Each runner call also keeps the engine thread's CPU time, so the fit says
-how much of its calls' time the runner held its core: what is left of a factor is the
-runner itself running slower or faster than when the profile was measured (on SmolLM2 in
-bfloat16, factors of x0.96-1.61 over four runs of `distserve fidelity` in an hour, the
-runner off its core 3-14% of its calls' time: the host's own speed drifts that much).
+spread of the per-iteration ratios says how steady it is. Each runner call also keeps
+the engine thread's CPU time, so the fit says how much of its calls' time the runner
+held its core: what is left of a factor is the runner itself running slower or faster
+than when the profile was measured (on SmolLM2 in bfloat16, factors of x0.96-1.61 over
+four runs of `distserve fidelity` in an hour, the runner off its core 3-14% of its
+calls' time: the host's own speed drifts that much).
 """
 
 from __future__ import annotations
