@@ -230,3 +230,22 @@ def test_the_knee_is_judged_in_steady_state_not_on_a_burst_that_drains():
     steady_knee, _ = predicted_knee_rps(ctx, shape, _sample_trace(spec, KNEE_TRACE_REQUESTS), 1.0)
     # twelve requests at a high rate arrive as one burst that drains within the TTFT SLO
     assert steady_knee < 0.8 * burst_knee
+
+
+def test_fidelity_says_when_an_instance_no_longer_holds_the_start_of_a_run(capsys, monkeypatch):
+    import distserve_engine.instance.iterations as iterations
+
+    spec, shape, ctx = deployment(0)
+    trace = _sample_trace(spec, 12)
+    fake = SlowPrefillDeployment(ctx)
+    monkeypatch.setattr(iterations, "ITERATION_HISTORY", 5)  # the log full after 5
+
+    def launch(settings, port):
+        return contextlib.nullcontext(SimpleNamespace(url=f"http://127.0.0.1:{port}"))
+
+    compare_deployment(spec, None, "local", "/model", 0, trace, [0.5], 18000,
+                       drive_fn=fake.drive, launch=launch, iterations_fn=lambda _: fake.iterations)
+    out = capsys.readouterr().out
+    # every iteration the fake logs is stamped after the run began: the log's oldest too
+    assert re.search(r"note: prefill-0 keeps its last 5 iterations, which began \d+ s into "
+                     r"the window: the fit is of those", out)

@@ -102,5 +102,6 @@ class ColocatedInstance(PromptQueueLoop):
 
     def load(self) -> InstanceLoad:
         """Waiting queue, running batch, promised KV."""
-        return self._queue_load(num_running=len(self.batch), kv_usage=self.admission.usage,
+        return self._queue_load(num_running=self._num_running(self.batch),
+                                kv_usage=self.admission.usage,
                                 num_preemptions=self.admission.num_preemptions)

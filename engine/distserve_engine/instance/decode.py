@@ -208,7 +208,7 @@ class DecodeInstance(InstanceLoop):
             role=self.role,
             num_waiting=len(pending) + len(self._pulling),
             num_waiting_tokens=sum(p.request.num_tokens for p in pending),
-            num_running=len(self.batch),
+            num_running=self._num_running(self.batch),
             kv_usage=self.admission.usage,
             num_preemptions=self.admission.num_preemptions,
             is_healthy=self.is_healthy,

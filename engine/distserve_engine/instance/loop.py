@@ -150,6 +150,12 @@ class InstanceLoop:
         """A snapshot of queue lengths and KV usage (read from any thread)."""
         raise NotImplementedError
 
+    def _num_running(self, batch: Any) -> int:
+        """Requests in `batch` for a load snapshot: none once the instance died, though its
+        batch empties a moment later, on the engine thread (the error is set first so that
+        no request is dispatched to it meanwhile)."""
+        return 0 if self.error is not None else len(batch)
+
 
 def start_sequence(request: ServeRequest, runner: Runner) -> Sequence:
     """The sequence a prefill computes for `request`: its prompt, then any resumed tokens,

@@ -201,6 +201,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context, predicted_knee_rps
     from distserve.local.settings import instance_counts, instance_parallel, serve_settings
     from distserve.search import build_context
+    from distserve_engine.instance.iterations import ITERATION_HISTORY
 
     settings = serve_settings(spec, instance_counts(spec, plan, num_colocated), name, model_path,
                               instance_parallel(spec, plan, num_colocated),
@@ -219,9 +220,15 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
 
         def iterations_fit(started_s: float, until_s: float = math.inf):
             """The fit of the iterations the instances ran from started_s (until until_s)."""
+            name_to_items = iterations_fn(launcher)
+            for name, items in name_to_items.items():
+                if len(items) >= ITERATION_HISTORY and items[0].started_s > started_s:
+                    _say(f"  note: {name} keeps its last {ITERATION_HISTORY} iterations, which "
+                         f"began {items[0].started_s - started_s:.0f} s into the window: the fit "
+                         "is of those")
             return fit_iterations(profiled, shape, {
                 name: [i for i in items if started_s <= i.started_s < until_s]
-                for name, items in iterations_fn(launcher).items()})
+                for name, items in name_to_items.items()})
 
         if calibration is not None:
             knee_rps, _ = predicted_knee_rps(profiled, shape, knee_trace, estimate_rps)
