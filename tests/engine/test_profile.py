@@ -77,6 +77,15 @@ def test_the_default_grid_times_decode_batches_on_both_sides_of_the_cpu_layout_s
     assert large_abc == pytest.approx((45.0, 0.015, 1.0), rel=1e-6)
 
 
+def test_the_default_grid_times_prompt_lengths_between_the_powers_of_two():
+    singles = [b[0] for b in ProfileGrid.default(max_prefill_tokens=512).prefill_batches
+               if len(b) == 1]
+    assert singles == [16, 17, 32, 41, 64, 89, 128, 185, 256, 377, 512]
+    # one between each two powers, odd, and not a multiple of a padded product's row step
+    assert all(n % 2 == 1 and n % 16 for n in singles[1::2])
+    assert [b[0] for b in ProfileGrid.default(max_prefill_tokens=16).prefill_batches] == [16]
+
+
 @pytest.fixture(scope="module")
 def tiny_runner(tiny_llama_dir):
     """The tiny Llama on one thread, as `distserve up` runs an instance on the CPU."""

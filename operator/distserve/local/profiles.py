@@ -33,10 +33,11 @@ from distserve.local.machine import Machine
 from distserve.spec import DistServeDeploymentSpec
 from distserve_engine.config import EngineConfig
 
-CACHE_FORMAT = 5  # bump when the profiler's output changes meaning, or the engine's CPU
+CACHE_FORMAT = 6  # bump when the profiler's output changes meaning, or the engine's CPU
 # speed changes outside its C kernels: old entries are ignored (2: oneDNN-blocked linears;
 # 3: decode batches of 3 x 2^k timed too; 4: decode linears on packed panels; 5: dtype
-# "auto" is bfloat16 on a CPU with bfloat16 instructions)
+# "auto" is bfloat16 on a CPU with bfloat16 instructions; 6: prefill lengths between the
+# powers of two timed too)
 THREADS_PER_RANK = 1  # `distserve up` pins each instance rank to one core
 
 
