@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -150,7 +150,7 @@ class InstanceLoop:
         """A snapshot of queue lengths and KV usage (read from any thread)."""
         raise NotImplementedError
 
-    def _num_running(self, batch: Any) -> int:
+    def _num_running(self, batch: Sized) -> int:
         """Requests in `batch` for a load snapshot: none once the instance died, though its
         batch empties a moment later, on the engine thread (the error is set first so that
         no request is dispatched to it meanwhile)."""
