@@ -83,3 +83,50 @@ def test_a_request_that_failed_is_named_with_its_error_not_only_counted(capsys):
     out = capsys.readouterr().out
     assert "failed at 0.1 req/s (1 request): HTTP 503: no healthy decode instance" in out
     assert "6 requests, 1 errors" in out
+
+
+def test_repeat_replays_each_rate_and_says_how_far_apart_the_replays_lie(capsys):
+    spec = load_manifest(EXAMPLES / "local.yaml").spec
+    trace = _sample_trace(spec, 12)
+    sent = []
+
+    def slower_each_replay(url, requests):
+        """Replay k answers with TTFT k s; in replays after the first, 2 requests miss the
+        TTFT SLO (6 s)."""
+        sent.append(list(requests))
+        if len(requests) == WARMUP_REQUESTS:
+            return [Outcome(r.req_id, r.prompt_tokens, r.output_tokens, 1.0, 0.1, r.output_tokens)
+                    for r in requests]
+        k = len(sent) - 1  # 1, 2, ...
+        return [Outcome(r.req_id, r.prompt_tokens, r.output_tokens,
+                        60.0 if k > 1 and i < 2 else float(k), 0.1, r.output_tokens)
+                for i, r in enumerate(requests)]
+
+    def launch(settings, port):
+        return contextlib.nullcontext(SimpleNamespace(url=f"http://127.0.0.1:{port}"))
+
+    rows = compare_deployment(spec, None, "local", "/model", 0, trace, [0.5], 18000,
+                              drive_fn=slower_each_replay, launch=launch,
+                              iterations_fn=lambda _: {}, repeat=2)
+    out = capsys.readouterr().out
+    _, first, second = sent
+    assert [r.arrival_s for r in first] == [r.arrival_s for r in second]  # the same requests
+    assert len(rows) == 2 and "replay 2 of 2 at 0.5 req/s" in out
+    block = out[out.index("1 prefill + 1 decode at 0.5 req/s, 2 replays of the same requests"):]
+    lines = {line.split()[0] + " " + line.split()[1]: line for line in block.splitlines()[1:6]}
+    # 12 of 12 met, then 10 of 12: 16.7 points apart, more than twice the goal's 2 points
+    assert "measured 83.3-100.0 %, 16.7 pt apart: no one figure is within 2 pt of every replay" in lines["attainment measured"]
+    # TTFT p50 1 s, then 2 s: no figure is within 10% of both
+    assert "measured 1.000-2.000 s, highest x2.00 the lowest: no one figure is within 10%" in lines["TTFT p50"]
+    # TPOT 0.1 s in both: one figure can be within 10% of each
+    assert "measured 0.100-0.100 s, highest x1.00 the lowest: one figure can be within 10%" in lines["TPOT p50"]
+    assert len(lines["TTFT p50"].split("gaps ")[1].split(", ")) == 2  # a gap per replay
+
+
+def test_repeat_below_one_is_refused_naming_the_option(capsys):
+    from distserve.cli import main
+    from distserve.cli.up import EXIT_USAGE_ERROR
+
+    code = main(["fidelity", "-f", str(EXAMPLES / "local.yaml"), "--repeat", "0"])
+    assert code == EXIT_USAGE_ERROR
+    assert "--repeat must be >= 1, got 0" in capsys.readouterr().err

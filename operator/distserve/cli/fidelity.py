@@ -24,6 +24,11 @@ decode instances, then `--colocated N` colocated instances (the baseline). Per d
    the run's requests after its first IN_RUN_REQUESTS, simulated with the factors of
    the iterations the instances ran while those first ones arrived: the runners' speed
    of that very run, as the analyzer corrects its model online from what it observes.
+4. `--repeat N`: each rate is replayed N times in a row (each predicted with the factors
+   of the run before it), then the replays side by side: how far apart the measured
+   figures of the same requests at the same times lie, and whether one figure could be
+   within the goal of every replay. Where the deployment itself does not repeat within
+   the goal, no prediction can meet it.
 The latency profile is the one `distserve up` plans with (this machine's, measured on
 first use and cached; `--profile FILE`, `--no-measure`); its fit error is printed first.
 """
@@ -69,6 +74,10 @@ def add_arguments(parser) -> None:
                         help="requests of another sample replayed first, whose iterations fit the "
                              f"profile's correction (default {DEFAULT_CALIBRATION_REQUESTS}; 0: the "
                              "profile as measured)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="replay the trace N times at every rate, then print how far apart "
+                             "the replays' measured figures lie: no prediction can be closer to "
+                             "each of them than that (default 1)")
     parser.add_argument("--colocated", type=int, default=DEFAULT_COLOCATED, metavar="N",
                         help=f"also run N colocated instances (default {DEFAULT_COLOCATED}; 0: skip)")
     parser.add_argument("--no-disaggregated", action="store_true",
@@ -107,6 +116,8 @@ def run(args) -> int:
         if args.requests < 1 or args.calibrate_requests < 0:
             raise ValueError(f"--requests must be >= 1 and --calibrate-requests >= 0, got "
                              f"{args.requests} and {args.calibrate_requests}")
+        if args.repeat < 1:
+            raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
         source = _choose_profile(args, spec, model_path)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -135,7 +146,7 @@ def run(args) -> int:
         for offset, num_colocated in enumerate(shapes):
             compare_deployment(spec, plan, manifest.metadata.name, model_path, num_colocated,
                                trace, rates, args.port + 10 * offset, knee_trace=knee_trace,
-                               calibration=calibration)
+                               calibration=calibration, repeat=args.repeat)
     except LaunchError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_LAUNCH_ERROR
@@ -188,17 +199,19 @@ def _sample_trace(spec, num_requests: int, skip: int = 0):
 
 def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: int, trace,
                        rates: list[float] | None, port: int, drive_fn=None, launch=None,
-                       knee_trace=None, calibration=None, iterations_fn=None) -> list[tuple]:
+                       knee_trace=None, calibration=None, iterations_fn=None,
+                       repeat: int = 1) -> list[tuple]:
     """Launch one deployment (the plan's, or with no plan the spec's placement), calibrate
     on `calibration` (a trace at 1 req/s, or None), replay `trace` at each rate (around
-    the knee judged on `knee_trace`, default `trace`); print and return (rate, measured,
-    predicted, load) per rate. drive_fn(url, requests) -> outcomes,
+    the knee judged on `knee_trace`, default `trace`) `repeat` times in a row, then the
+    replays side by side; print and return (rate, measured, predicted, load) per replay. drive_fn(url, requests) -> outcomes,
     launch(settings, port) -> a context manager with .url, and iterations_fn(launcher) ->
     {instance name: [Iteration]} replace the HTTP load generator, the processes and the
     instances' /debug/iterations (tests)."""
     from distserve.local.calibration import fetch_iterations, fit_iterations
     from distserve.local.launcher import LocalLauncher
     from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context, predicted_knee_rps
+    from distserve.local.report import format_replays
     from distserve.local.settings import instance_counts, instance_parallel, serve_settings
     from distserve.search import build_context
     from distserve_engine.instance.iterations import ITERATION_HISTORY
@@ -256,17 +269,24 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
              + ", ".join(f"{r:g}" for r in at_rates) + " req/s")
         factors_from = "the calibration" if calibration is not None else None
         for rate in at_rates:
-            started_s = time.time()
-            row, outcomes = _compare_at(launcher.url, spec, ctx, shape, trace, rate, drive_fn)
-            rows.append(row)
-            own = _report(spec, shape, trace, row, ctx, profiled, factors_from,
-                          iterations_fit(started_s))
-            if trace.num_requests >= 2 * IN_RUN_REQUESTS:
-                first_s = float(trace.at_rate(rate).arrival_s[IN_RUN_REQUESTS])
-                _report_in_run(spec, shape, trace, row, outcomes, profiled,
-                               iterations_fit(started_s, started_s + first_s))
-            if factors_from is not None and own is not None:  # the next rate: the freshest factors
-                ctx, factors_from = own, f"the run at {rate:g} req/s"
+            replays = []
+            for replay in range(repeat):
+                started_s = time.time()
+                row, outcomes = _compare_at(launcher.url, spec, ctx, shape, trace, rate, drive_fn)
+                rows.append(row)
+                replays.append((row[1], row[2]))
+                if repeat > 1:
+                    _say(f"\nreplay {replay + 1} of {repeat} at {rate:g} req/s")
+                own = _report(spec, shape, trace, row, ctx, profiled, factors_from,
+                              iterations_fit(started_s))
+                if trace.num_requests >= 2 * IN_RUN_REQUESTS:
+                    first_s = float(trace.at_rate(rate).arrival_s[IN_RUN_REQUESTS])
+                    _report_in_run(spec, shape, trace, row, outcomes, profiled,
+                                   iterations_fit(started_s, started_s + first_s))
+                if factors_from is not None and own is not None:  # the next run: the freshest factors
+                    ctx, factors_from = own, f"the run at {rate:g} req/s"
+            if repeat > 1:
+                _say("\n" + format_replays(shape.describe(), rate, replays))
     return rows
 
 

@@ -13,6 +13,10 @@ from distserve.local.load import Outcome
 from distserve.plan import Plan
 
 LOAD_SAMPLE_S = 1.0  # seconds between two samples of the load average
+GOAL_ATTAINMENT_PT = 2.0  # fidelity's goal: simulated attainment within this of measured
+GOAL_PERCENTILE_REL = 0.10  # and each simulated percentile within this share of measured
+PERCENTILES = (("TTFT p50", "ttft_p_s", 50), ("TTFT p90", "ttft_p_s", 90),
+               ("TPOT p50", "tpot_p_s", 50), ("TPOT p90", "tpot_p_s", 90))
 
 
 @dataclass
@@ -115,18 +119,51 @@ def format_comparison(what: str, rate: float, measured, predicted, load: tuple[f
              f"{measured.num_errors} errors (simulated {predicted.num_errors} refused or "
              f"unfinished); {load_text}; gap: simulated less measured"]
     gap = (predicted.attainment - measured.attainment) * 100  # simulated - measured
+    within = abs(gap) <= GOAL_ATTAINMENT_PT
     lines.append(f"  attainment  measured {measured.attainment:6.1%}  simulated {predicted.attainment:6.1%}"
-                 f"  gap {gap:+5.1f} pt  {'within' if abs(gap) <= 2 else 'outside'} 2 pt   "
+                 f"  gap {gap:+5.1f} pt  {'within' if within else 'outside'} {GOAL_ATTAINMENT_PT:g} pt   "
                  f"[{load_text}] (target {target:.0%})")
-    for label, m, p in (("TTFT p50", measured.ttft_p_s[50], predicted.ttft_p_s[50]),
-                        ("TTFT p90", measured.ttft_p_s[90], predicted.ttft_p_s[90]),
-                        ("TPOT p50", measured.tpot_p_s[50], predicted.tpot_p_s[50]),
-                        ("TPOT p90", measured.tpot_p_s[90], predicted.tpot_p_s[90])):
-        rel = (p - m) / m if m else float("nan")  # simulated relative to measured
-        verdict = "within" if abs(rel) <= 0.10 else "outside"
-        lines.append(f"  {label}    measured {m:7.3f} s simulated {p:7.3f} s  gap {rel:+6.1%}   "
-                     f"{verdict} 10%   [{load_text}]")
+    for label, field, p in PERCENTILES:
+        m, s = getattr(measured, field)[p], getattr(predicted, field)[p]
+        rel = (s - m) / m if m else float("nan")  # simulated relative to measured
+        verdict = "within" if abs(rel) <= GOAL_PERCENTILE_REL else "outside"
+        lines.append(f"  {label}    measured {m:7.3f} s simulated {s:7.3f} s  gap {rel:+6.1%}   "
+                     f"{verdict} {GOAL_PERCENTILE_REL:.0%}   [{load_text}]")
     return "\n".join(lines)
+
+
+def format_replays(what: str, rate: float, replays: list[tuple[RunSummary, RunSummary]]) -> str:
+    """The replays of the same requests at one rate, (measured, simulated) each: how far
+    apart the measured figures lie, whether one figure could be within the goal of every
+    replay (no prediction can do better than that), and the simulator's gap to each."""
+    lines = [f"{what} at {rate:g} req/s, {len(replays)} replays of the same requests at the "
+             "same times: the measured figures, how far apart, and the simulator's gap to each "
+             "(simulated less measured)"]
+    attained = [m.attainment * 100 for m, _ in replays]
+    apart = max(attained) - min(attained)
+    one_fits = apart <= 2 * GOAL_ATTAINMENT_PT
+    gaps = ", ".join(f"{(p.attainment - m.attainment) * 100:+.1f}" for m, p in replays)
+    lines.append(f"  attainment  measured {_range(attained, '.1f')} %, {apart:.1f} pt apart: "
+                 f"{_fits(one_fits)} within {GOAL_ATTAINMENT_PT:g} pt of every replay; "
+                 f"gaps {gaps} pt")
+    for label, field, p in PERCENTILES:
+        ms = [getattr(m, field)[p] for m, _ in replays]
+        one_fits = (1 - GOAL_PERCENTILE_REL) * max(ms) <= (1 + GOAL_PERCENTILE_REL) * min(ms)
+        gaps = ", ".join(f"{(getattr(s, field)[p] - m) / m:+.1%}" if m else "n/a"
+                         for (_, s), m in zip(replays, ms, strict=True))
+        ratio = f"x{max(ms) / min(ms):.2f}" if min(ms) > 0 else "n/a"
+        lines.append(f"  {label}    measured {_range(ms, '.3f')} s, highest {ratio} the lowest: "
+                     f"{_fits(one_fits)} within {GOAL_PERCENTILE_REL:.0%} of every replay; "
+                     f"gaps {gaps}")
+    return "\n".join(lines)
+
+
+def _range(values: list[float], fmt: str) -> str:
+    return f"{min(values):{fmt}}-{max(values):{fmt}}"
+
+
+def _fits(one_fits: bool) -> str:
+    return "one figure can be" if one_fits else "no one figure is"
 
 
 def format_other(what: str, predicted) -> str:
