@@ -24,8 +24,8 @@ decode instances, then `--colocated N` colocated instances (the baseline). Per d
    the run's requests after its first IN_RUN_REQUESTS, simulated with the factors of
    the iterations the instances ran while those first ones arrived: the runners' speed
    of that very run, as the analyzer corrects its model online from what it observes.
-4. `--repeat N`: each rate is replayed N times in a row (each predicted with the factors
-   of the run before it), then the replays side by side: how far apart the measured
+4. `--repeat N`: each rate is replayed N times in a row (after a calibration, each
+   predicted with the factors of the run before it), then the replays side by side: how far apart the measured
    figures of the same requests at the same times lie, and whether one figure could be
    within the goal of every replay. Where the deployment itself does not repeat within
    the goal, no prediction can meet it.
@@ -204,10 +204,10 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     """Launch one deployment (the plan's, or with no plan the spec's placement), calibrate
     on `calibration` (a trace at 1 req/s, or None), replay `trace` at each rate (around
     the knee judged on `knee_trace`, default `trace`) `repeat` times in a row, then the
-    replays side by side; print and return (rate, measured, predicted, load) per replay. drive_fn(url, requests) -> outcomes,
-    launch(settings, port) -> a context manager with .url, and iterations_fn(launcher) ->
-    {instance name: [Iteration]} replace the HTTP load generator, the processes and the
-    instances' /debug/iterations (tests)."""
+    replays side by side; print and return (rate, measured, predicted, load) per replay.
+    drive_fn(url, requests) -> outcomes, launch(settings, port) -> a context manager with
+    .url, and iterations_fn(launcher) -> {instance name: [Iteration]} replace the HTTP load
+    generator, the processes and the instances' /debug/iterations (tests)."""
     from distserve.local.calibration import fetch_iterations, fit_iterations
     from distserve.local.launcher import LocalLauncher
     from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context, predicted_knee_rps
