@@ -22,7 +22,7 @@ from distserve.cli.fidelity import (
     compare_deployment,
 )
 from distserve.latency import Correction
-from distserve.local.calibration import fit_iterations, profiled_s
+from distserve.local.calibration import fit_iterations, profiled_s, speeds_by_window
 from distserve.local.load import Outcome
 from distserve.local.prediction import LocalShape, engine_context, predicted_knee_rps
 from distserve.local.settings import instance_counts, instance_parallel, serve_settings
@@ -123,6 +123,25 @@ def test_the_ratio_weighs_each_iteration_by_its_time():
     # the ratio of sums: the long batch, most of the time, pulls it towards its own 1.0
     (short_s,), (long_s,) = (i.seconds for i in short), (i.seconds for i in long)
     assert prefill.factor == pytest.approx((short_s + long_s) / (short_s / 2.0 + long_s))
+
+
+def test_a_runs_speed_per_window_is_told_against_the_whole_runs_factors():
+    _, shape, ctx = deployment(0)
+
+    def at(items: list[Iteration], first_s: float) -> list[Iteration]:
+        return [dataclasses.replace(item, started_s=first_s + i) for i, item in enumerate(items)]
+
+    prefill = (at(timed(ctx, "disaggregated", "prefill", PREFILL_BATCHES, 3.0), 990.0)  # before
+               + at(timed(ctx, "disaggregated", "prefill", PREFILL_BATCHES, 1.2), 1000.0)
+               + at(timed(ctx, "disaggregated", "prefill", PREFILL_BATCHES, 1.5), 1030.0)
+               # the last window takes the rest, past the run's end too
+               + at(timed(ctx, "disaggregated", "prefill", PREFILL_BATCHES, 1.8), 1088.0))
+    decode = at(timed(ctx, "disaggregated", "decode", DECODE_BATCHES, 1.0), 1000.0)
+    speeds = speeds_by_window(ctx, shape, {"prefill-0": prefill, "decode-0": decode},
+                              1000.0, 1090.0, 30.0, len(PREFILL_BATCHES))
+    # the whole run is x1.5: its windows ran x1.2, x1.5 and x1.8, that is 0.8, 1.0, 1.2 of it
+    assert speeds["prefill"] == pytest.approx([0.8, 1.0, 1.2])
+    assert speeds["decode"] == pytest.approx([1.0])  # the other windows ran no decode step
 
 
 def test_a_colocated_instance_is_fitted_per_kind_with_the_colocated_profile():

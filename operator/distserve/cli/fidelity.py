@@ -60,6 +60,8 @@ IN_RUN_REQUESTS = 100  # a run's first requests whose iterations predict the res
 CALIBRATION_KNEE_FACTOR = 0.5  # calibrate below the knee: iterations, not queues, are fitted
 DEFAULT_COLOCATED = 2
 WARMUP_REQUESTS = 2  # first requests of a fresh process pay one-time costs: not measured
+SPEED_WINDOW_S = 30.0  # a run's speed is told apart over windows this long
+MIN_WINDOW_ITERATIONS = 10  # a phase's window with fewer iterations tells no speed
 
 
 def add_arguments(parser) -> None:
@@ -208,7 +210,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     drive_fn(url, requests) -> outcomes, launch(settings, port) -> a context manager with
     .url, and iterations_fn(launcher) -> {instance name: [Iteration]} replace the HTTP load
     generator, the processes and the instances' /debug/iterations (tests)."""
-    from distserve.local.calibration import fetch_iterations, fit_iterations
+    from distserve.local.calibration import fetch_iterations, fit_iterations, speeds_by_window
     from distserve.local.launcher import LocalLauncher
     from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context, predicted_knee_rps
     from distserve.local.report import format_replays
@@ -231,14 +233,19 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
         _drive(launcher.url, spec, trace.at_rate(1.0), drive_fn, WARMUP_REQUESTS)
         ctx = profiled
 
-        def iterations_fit(started_s: float, until_s: float = math.inf):
-            """The fit of the iterations the instances ran from started_s (until until_s)."""
+        def iterations_since(started_s: float) -> dict:
+            """{instance: the iterations it logged}, with a note where a log no longer
+            holds started_s."""
             name_to_items = iterations_fn(launcher)
             for name, items in name_to_items.items():
                 if len(items) >= ITERATION_HISTORY and items[0].started_s > started_s:
                     _say(f"  note: {name} keeps its last {ITERATION_HISTORY} iterations, which "
                          f"began {items[0].started_s - started_s:.0f} s into the window: the fit "
                          "is of those")
+            return name_to_items
+
+        def fit_between(name_to_items: dict, started_s: float, until_s: float = math.inf):
+            """The fit of the iterations the instances ran from started_s until until_s."""
             return fit_iterations(profiled, shape, {
                 name: [i for i in items if started_s <= i.started_s < until_s]
                 for name, items in name_to_items.items()})
@@ -248,7 +255,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             rate = round(max(knee_rps, 0.01) * CALIBRATION_KNEE_FACTOR, 3)
             started_s = time.time()
             _drive(launcher.url, spec, calibration.at_rate(rate), drive_fn)
-            fit = iterations_fit(started_s)
+            fit = fit_between(iterations_since(started_s), started_s)
             ctx = dataclasses.replace(profiled, correction=fit.correction)
             _say(f"\n{shape.describe()}: calibration, {calibration.num_requests} requests of another "
                  f"sample at {rate:g} req/s; the runner's iterations against the profile's time "
@@ -273,16 +280,20 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             for replay in range(repeat):
                 started_s = time.time()
                 row, outcomes = _compare_at(launcher.url, spec, ctx, shape, trace, rate, drive_fn)
+                ended_s = time.time()
                 rows.append(row)
                 replays.append((row[1], row[2]))
                 if repeat > 1:
                     _say(f"\nreplay {replay + 1} of {repeat} at {rate:g} req/s")
+                name_to_items = iterations_since(started_s)
+                speeds = speeds_by_window(profiled, shape, name_to_items, started_s, ended_s,
+                                          SPEED_WINDOW_S, MIN_WINDOW_ITERATIONS)
                 own = _report(spec, shape, trace, row, ctx, profiled, factors_from,
-                              iterations_fit(started_s))
+                              fit_between(name_to_items, started_s), speeds)
                 if trace.num_requests >= 2 * IN_RUN_REQUESTS:
                     first_s = float(trace.at_rate(rate).arrival_s[IN_RUN_REQUESTS])
                     _report_in_run(spec, shape, trace, row, outcomes, profiled,
-                                   iterations_fit(started_s, started_s + first_s))
+                                   fit_between(name_to_items, started_s, started_s + first_s))
                 if factors_from is not None and own is not None:  # the next run: the freshest factors
                     ctx, factors_from = own, f"the run at {rate:g} req/s"
             if repeat > 1:
@@ -290,11 +301,14 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     return rows
 
 
-def _report(spec, shape, trace, row: tuple, ctx, profiled, factors_from: str | None, run_fit):
+def _report(spec, shape, trace, row: tuple, ctx, profiled, factors_from: str | None, run_fit,
+            speeds: dict[str, list[float]] | None = None):
     """Print one rate's comparison: measured beside simulated, the factors the prediction
     used (from `factors_from`, None: the profile as measured) and the figures with the
-    profile as measured, then the run's own iteration factors and the figures with them.
-    Returns the context with the run's own factors, or None when a phase ran no iteration."""
+    profile as measured, then the run's own iteration factors, how far the speed moved
+    between windows of the run (`speeds`: {phase: each window's speed against the run's
+    factors}), and the figures with the run's own factors. Returns the context with the
+    run's own factors, or None when a phase ran no iteration."""
     from distserve.local.prediction import predict_run, requests_of
     from distserve.local.report import format_comparison, format_other
 
@@ -307,6 +321,10 @@ def _report(spec, shape, trace, row: tuple, ctx, profiled, factors_from: str | N
         text += "\n" + format_other("with the profile as measured",
                                      predict_run(profiled, shape, sent, rate))
     text += f"\n  this run's iterations against the profile: {run_fit.describe()}"
+    if speeds and max(len(v) for v in speeds.values()) > 1:
+        text += (f"\n  this run's speed per {SPEED_WINDOW_S:g} s window, against its own factors: "
+                 + ", ".join(f"{phase} x{min(v):.2f}-{max(v):.2f} ({len(v)} windows)"
+                             for phase, v in speeds.items()))
     own = None
     if all(fit.num_iterations for fit in run_fit.phases):
         own = dataclasses.replace(profiled, correction=run_fit.correction)

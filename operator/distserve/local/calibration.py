@@ -24,6 +24,7 @@ calls' time: the host's own speed drifts that much).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -66,6 +67,12 @@ class PhaseFit:
         if self.profiled_s <= 0:
             return 1.0
         return (self.measured_s - self.sequence_s * self.num_sequences) / self.profiled_s
+
+    def speed_against(self, whole: PhaseFit) -> float:
+        """This part of a run's iterations (a window of it) against the whole run's fit:
+        measured over what the whole's factor and time per sequence give these batches."""
+        modelled_s = whole.factor * self.profiled_s + whole.sequence_s * self.num_sequences
+        return self.measured_s / modelled_s if modelled_s > 0 else math.nan
 
     def describe(self) -> str:
         """e.g. "prefill x1.16 (per batch x1.04-1.36, 133 batches)"."""
@@ -145,6 +152,29 @@ def fit_iterations(ctx: SearchContext, shape: LocalShape,
         for item in items:
             kind_to_items[item.kind].append((item, profiled_s(bare, serving_mode, config, item)))
     return IterationFit(tuple(_phase_fit(kind, pairs) for kind, pairs in kind_to_items.items()))
+
+
+def speeds_by_window(ctx: SearchContext, shape: LocalShape,
+                     name_to_iterations: Mapping[str, list[Iteration]], started_s: float,
+                     ended_s: float, window_s: float, min_iterations: int) -> dict[str, list[float]]:
+    """{phase: each window's speed against the whole run's fit} over the iterations from
+    started_s on, in windows of window_s (the last one takes the rest, past ended_s too),
+    leaving out a phase's windows of fewer than min_iterations iterations: how far the
+    runners' speed moved within a run that one constant factor stands for."""
+    def fit_between(lo: float, hi: float) -> IterationFit:
+        return fit_iterations(ctx, shape, {
+            name: [i for i in items if lo <= i.started_s < hi]
+            for name, items in name_to_iterations.items()})
+
+    whole = {fit.phase: fit for fit in fit_between(started_s, math.inf).phases}
+    num_windows = max(1, int((ended_s - started_s) // window_s))
+    edges = [started_s + k * window_s for k in range(num_windows)] + [math.inf]
+    phase_to_speeds: dict[str, list[float]] = {}
+    for lo, hi in itertools.pairwise(edges):
+        for fit in fit_between(lo, hi).phases:
+            if fit.num_iterations >= min_iterations:
+                phase_to_speeds.setdefault(fit.phase, []).append(fit.speed_against(whole[fit.phase]))
+    return phase_to_speeds
 
 
 def _phase_fit(phase: str, pairs: list[tuple[Iteration, float]]) -> PhaseFit:
