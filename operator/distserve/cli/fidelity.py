@@ -210,7 +210,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     drive_fn(url, requests) -> outcomes, launch(settings, port) -> a context manager with
     .url, and iterations_fn(launcher) -> {instance name: [Iteration]} replace the HTTP load
     generator, the processes and the instances' /debug/iterations (tests)."""
-    from distserve.local.calibration import fetch_iterations, fit_iterations, speeds_by_window
+    from distserve.local.calibration import fetch_iterations, fit_window, speeds_by_window
     from distserve.local.launcher import LocalLauncher
     from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context, predicted_knee_rps
     from distserve.local.report import format_replays
@@ -246,9 +246,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
 
         def fit_between(name_to_items: dict, started_s: float, until_s: float = math.inf):
             """The fit of the iterations the instances ran from started_s until until_s."""
-            return fit_iterations(profiled, shape, {
-                name: [i for i in items if started_s <= i.started_s < until_s]
-                for name, items in name_to_items.items()})
+            return fit_window(profiled, shape, name_to_items, started_s, until_s)
 
         if calibration is not None:
             knee_rps, _ = predicted_knee_rps(profiled, shape, knee_trace, estimate_rps)

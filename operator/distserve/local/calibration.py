@@ -154,6 +154,15 @@ def fit_iterations(ctx: SearchContext, shape: LocalShape,
     return IterationFit(tuple(_phase_fit(kind, pairs) for kind, pairs in kind_to_items.items()))
 
 
+def fit_window(ctx: SearchContext, shape: LocalShape,
+               name_to_iterations: Mapping[str, list[Iteration]], started_s: float,
+               until_s: float = math.inf) -> IterationFit:
+    """The fit of the iterations that started from started_s until until_s."""
+    return fit_iterations(ctx, shape, {
+        name: [i for i in items if started_s <= i.started_s < until_s]
+        for name, items in name_to_iterations.items()})
+
+
 def speeds_by_window(ctx: SearchContext, shape: LocalShape,
                      name_to_iterations: Mapping[str, list[Iteration]], started_s: float,
                      ended_s: float, window_s: float, min_iterations: int) -> dict[str, list[float]]:
@@ -162,9 +171,7 @@ def speeds_by_window(ctx: SearchContext, shape: LocalShape,
     leaving out a phase's windows of fewer than min_iterations iterations: how far the
     runners' speed moved within a run that one constant factor stands for."""
     def fit_between(lo: float, hi: float) -> IterationFit:
-        return fit_iterations(ctx, shape, {
-            name: [i for i in items if lo <= i.started_s < hi]
-            for name, items in name_to_iterations.items()})
+        return fit_window(ctx, shape, name_to_iterations, lo, hi)
 
     whole = {fit.phase: fit for fit in fit_between(started_s, math.inf).phases}
     num_windows = max(1, int((ended_s - started_s) // window_s))
