@@ -22,7 +22,7 @@ from distserve.cli.fidelity import (
     compare_deployment,
 )
 from distserve.latency import Correction
-from distserve.local.calibration import fit_iterations, profiled_s, speeds_by_window
+from distserve.local.calibration import fit_iterations, fit_window, profiled_s, speeds_by_window
 from distserve.local.load import Outcome
 from distserve.local.prediction import LocalShape, engine_context, predicted_knee_rps
 from distserve.local.settings import instance_counts, instance_parallel, serve_settings
@@ -137,8 +137,10 @@ def test_a_runs_speed_per_window_is_told_against_the_whole_runs_factors():
                # the last window takes the rest, past the run's end too
                + at(timed(ctx, "disaggregated", "prefill", PREFILL_BATCHES, 1.8), 1088.0))
     decode = at(timed(ctx, "disaggregated", "decode", DECODE_BATCHES, 1.0), 1000.0)
-    speeds = speeds_by_window(ctx, shape, {"prefill-0": prefill, "decode-0": decode},
-                              1000.0, 1090.0, 30.0, len(PREFILL_BATCHES))
+    name_to_items = {"prefill-0": prefill, "decode-0": decode}
+    run_fit = fit_window(ctx, shape, name_to_items, 1000.0)
+    speeds = speeds_by_window(ctx, shape, name_to_items, run_fit, 1000.0, 1090.0, 30.0,
+                              len(PREFILL_BATCHES))
     # the whole run is x1.5: its windows ran x1.2, x1.5 and x1.8, that is 0.8, 1.0, 1.2 of it
     assert speeds["prefill"] == pytest.approx([0.8, 1.0, 1.2])
     assert speeds["decode"] == pytest.approx([1.0])  # the other windows ran no decode step

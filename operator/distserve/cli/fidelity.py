@@ -25,10 +25,10 @@ decode instances, then `--colocated N` colocated instances (the baseline). Per d
    the iterations the instances ran while those first ones arrived: the runners' speed
    of that very run, as the analyzer corrects its model online from what it observes.
 4. `--repeat N`: each rate is replayed N times in a row (after a calibration, each
-   predicted with the factors of the run before it), then the replays side by side: how far apart the measured
-   figures of the same requests at the same times lie, and whether one figure could be
-   within the goal of every replay. Where the deployment itself does not repeat within
-   the goal, no prediction can meet it.
+   predicted with the factors of the run before it), then the replays side by side: how
+   far apart the measured figures of the same requests at the same times lie, and
+   whether one figure could be within the goal of every replay. Where the deployment
+   itself does not repeat within the goal, no prediction can meet it.
 The latency profile is the one `distserve up` plans with (this machine's, measured on
 first use and cached; `--profile FILE`, `--no-measure`); its fit error is printed first.
 """
@@ -284,10 +284,11 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                 if repeat > 1:
                     _say(f"\nreplay {replay + 1} of {repeat} at {rate:g} req/s")
                 name_to_items = iterations_since(started_s)
-                speeds = speeds_by_window(profiled, shape, name_to_items, started_s, ended_s,
-                                          SPEED_WINDOW_S, MIN_WINDOW_ITERATIONS)
-                own = _report(spec, shape, trace, row, ctx, profiled, factors_from,
-                              fit_between(name_to_items, started_s), speeds)
+                run_fit = fit_between(name_to_items, started_s)
+                speeds = speeds_by_window(profiled, shape, name_to_items, run_fit, started_s,
+                                          ended_s, SPEED_WINDOW_S, MIN_WINDOW_ITERATIONS)
+                own = _report(spec, shape, trace, row, ctx, profiled, factors_from, run_fit,
+                              speeds)
                 if trace.num_requests >= 2 * IN_RUN_REQUESTS:
                     first_s = float(trace.at_rate(rate).arrival_s[IN_RUN_REQUESTS])
                     _report_in_run(spec, shape, trace, row, outcomes, profiled,
@@ -300,7 +301,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
 
 
 def _report(spec, shape, trace, row: tuple, ctx, profiled, factors_from: str | None, run_fit,
-            speeds: dict[str, list[float]] | None = None):
+            speeds: dict[str, list[float]]):
     """Print one rate's comparison: measured beside simulated, the factors the prediction
     used (from `factors_from`, None: the profile as measured) and the figures with the
     profile as measured, then the run's own iteration factors, how far the speed moved

@@ -164,21 +164,19 @@ def fit_window(ctx: SearchContext, shape: LocalShape,
 
 
 def speeds_by_window(ctx: SearchContext, shape: LocalShape,
-                     name_to_iterations: Mapping[str, list[Iteration]], started_s: float,
-                     ended_s: float, window_s: float, min_iterations: int) -> dict[str, list[float]]:
-    """{phase: each window's speed against the whole run's fit} over the iterations from
-    started_s on, in windows of window_s (the last one takes the rest, past ended_s too),
-    leaving out a phase's windows of fewer than min_iterations iterations: how far the
-    runners' speed moved within a run that one constant factor stands for."""
-    def fit_between(lo: float, hi: float) -> IterationFit:
-        return fit_window(ctx, shape, name_to_iterations, lo, hi)
-
-    whole = {fit.phase: fit for fit in fit_between(started_s, math.inf).phases}
+                     name_to_iterations: Mapping[str, list[Iteration]], run_fit: IterationFit,
+                     started_s: float, ended_s: float, window_s: float,
+                     min_iterations: int) -> dict[str, list[float]]:
+    """{phase: each window's speed against run_fit (the fit of the iterations from started_s
+    on)}, in windows of window_s (the last one takes the rest, past ended_s too), leaving
+    out a phase's windows of fewer than min_iterations iterations: how far the runners'
+    speed moved within a run that one constant factor stands for."""
+    whole = {fit.phase: fit for fit in run_fit.phases}
     num_windows = max(1, int((ended_s - started_s) // window_s))
     edges = [started_s + k * window_s for k in range(num_windows)] + [math.inf]
     phase_to_speeds: dict[str, list[float]] = {}
     for lo, hi in itertools.pairwise(edges):
-        for fit in fit_between(lo, hi).phases:
+        for fit in fit_window(ctx, shape, name_to_iterations, lo, hi).phases:
             if fit.num_iterations >= min_iterations:
                 phase_to_speeds.setdefault(fit.phase, []).append(fit.speed_against(whole[fit.phase]))
     return phase_to_speeds

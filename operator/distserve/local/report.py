@@ -15,7 +15,8 @@ from distserve.plan import Plan
 LOAD_SAMPLE_S = 1.0  # seconds between two samples of the load average
 GOAL_ATTAINMENT_PT = 2.0  # fidelity's goal: simulated attainment within this of measured
 GOAL_PERCENTILE_REL = 0.10  # and each simulated percentile within this share of measured
-PERCENTILES = (("TTFT p50", "ttft_p_s", 50), ("TTFT p90", "ttft_p_s", 90),
+# the percentiles the goal holds: label, RunSummary field, percentile
+GOAL_PERCENTILES = (("TTFT p50", "ttft_p_s", 50), ("TTFT p90", "ttft_p_s", 90),
                ("TPOT p50", "tpot_p_s", 50), ("TPOT p90", "tpot_p_s", 90))
 
 
@@ -123,7 +124,7 @@ def format_comparison(what: str, rate: float, measured, predicted, load: tuple[f
     lines.append(f"  attainment  measured {measured.attainment:6.1%}  simulated {predicted.attainment:6.1%}"
                  f"  gap {gap:+5.1f} pt  {'within' if within else 'outside'} {GOAL_ATTAINMENT_PT:g} pt   "
                  f"[{load_text}] (target {target:.0%})")
-    for label, field, p in PERCENTILES:
+    for label, field, p in GOAL_PERCENTILES:
         m, s = getattr(measured, field)[p], getattr(predicted, field)[p]
         rel = (s - m) / m if m else float("nan")  # simulated relative to measured
         verdict = "within" if abs(rel) <= GOAL_PERCENTILE_REL else "outside"
@@ -146,7 +147,7 @@ def format_replays(what: str, rate: float, replays: list[tuple[RunSummary, RunSu
     lines.append(f"  attainment  measured {_range(attained, '.1f')} %, {apart:.1f} pt apart: "
                  f"{_fits(one_fits)} within {GOAL_ATTAINMENT_PT:g} pt of every replay; "
                  f"gaps {gaps} pt")
-    for label, field, p in PERCENTILES:
+    for label, field, p in GOAL_PERCENTILES:
         ms = [getattr(m, field)[p] for m, _ in replays]
         one_fits = (1 - GOAL_PERCENTILE_REL) * max(ms) <= (1 + GOAL_PERCENTILE_REL) * min(ms)
         gaps = ", ".join(f"{(getattr(s, field)[p] - m) / m:+.1%}" if m else "n/a"
