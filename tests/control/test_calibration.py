@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from distserve.cli.fidelity import (
@@ -142,8 +143,32 @@ def test_a_runs_speed_per_window_is_told_against_the_whole_runs_factors():
     speeds = speeds_by_window(ctx, shape, name_to_items, run_fit, 1000.0, 1090.0, 30.0,
                               len(PREFILL_BATCHES))
     # the whole run is x1.5: its windows ran x1.2, x1.5 and x1.8, that is 0.8, 1.0, 1.2 of it
-    assert speeds["prefill"] == pytest.approx([0.8, 1.0, 1.2])
-    assert speeds["decode"] == pytest.approx([1.0])  # the other windows ran no decode step
+    assert speeds.phase_to_speeds["prefill"] == pytest.approx([0.8, 1.0, 1.2])
+    # the other windows ran no decode step
+    assert speeds.phase_to_speeds["decode"] == pytest.approx([1.0])
+    # each window's batches ran at its speed exactly: all the spread is drift, none noise
+    drift = speeds.drift()
+    assert drift.prefill_sd == pytest.approx(np.std(np.log([0.8, 1.0, 1.2]), ddof=1))
+    assert (drift.prefill_batch_sd, drift.decode_sd) == pytest.approx((0.0, 0.0))  # 1 window
+    assert "prefill x0.80-1.20 (3 windows), decode x1.00-1.00 (1 windows)" in speeds.describe()
+
+
+def test_batches_that_scatter_alike_in_every_window_are_a_batch_spread_not_a_drift():
+    _, shape, ctx = deployment(0)
+    items = []
+    for window in range(4):
+        for i, lens in enumerate(PREFILL_BATCHES * 3):
+            factor = 1.2 if i % 2 else 1.8  # the same scatter in each window
+            (item,) = timed(ctx, "disaggregated", "prefill", [lens], factor)
+            items.append(dataclasses.replace(item, started_s=1000.0 + 30 * window + i))
+    name_to_items = {"prefill-0": items}
+    run_fit = fit_window(ctx, shape, name_to_items, 1000.0)
+    speeds = speeds_by_window(ctx, shape, name_to_items, run_fit, 1000.0, 1120.0, 30.0, 4)
+    assert speeds.phase_to_speeds["prefill"] == pytest.approx([1.0] * 4)
+    drift = speeds.drift(seed=3)
+    assert drift.prefill_sd == 0.0 and drift.seed == 3
+    # x1.2 and x1.8 about the windows' x1.5: +-0.2 in log
+    assert 0.15 < drift.prefill_batch_sd < 0.3
 
 
 def test_a_colocated_instance_is_fitted_per_kind_with_the_colocated_profile():
@@ -220,7 +245,7 @@ def test_fidelity_calibrates_on_another_sample_then_judges_the_knee_with_the_cor
     assert knee < uncorrected_knee * 0.8  # prefill is the bottleneck: 1.5x slower, a lower knee
     assert len(rows) == 3 and out.count("with the profile as measured: attainment") == 3
     assert out.count("this run's iterations against the profile: prefill x1.50") == 3
-    assert out.count("with this run's own factors: attainment") == 3
+    assert out.count("with this run's own factors and drift: attainment") == 3
     # each rate after the first is predicted with the factors of the run just before it
     sources = re.findall(r"simulated with the factors of (.*?): prefill x1.50", out)
     assert sources == ["the calibration"] + [f"the run at {r:g} req/s" for r, *_ in rows[:2]]

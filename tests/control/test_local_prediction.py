@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from distserve.cli.fidelity import _sample_trace, compare_deployment
 from distserve.cli.up import _predicted
 from distserve.local.load import Outcome
-from distserve.local.prediction import LocalShape, engine_context, predict_run
+from distserve.local.prediction import (
+    DRIFT_DRAWS,
+    LocalShape,
+    engine_context,
+    predict_draws,
+    predict_run,
+    requests_of,
+)
+from distserve.local.report import format_draws
 from distserve.local.settings import instance_counts, instance_parallel, serve_settings
 from distserve.plan import PhaseConfig, Plan, SegmentPlacement
 from distserve.search import build_context
 from distserve.search.trials import instance_model
+from distserve.simulator import SpeedDrift
 from distserve.spec import load_manifest
 from distserve.workload import Request
 
@@ -103,3 +115,27 @@ def test_fidelity_compares_a_mixed_plan_with_its_simulated_figures(capsys):
     assert rate == 0.1 and predicted.num_requests == 12
     assert "2 prefill (1 x tp1pp1 + 1 x tp1pp2) + 1 decode: simulated knee" in out
     assert "simulated" in next(line for line in out.splitlines() if "TTFT p50" in line)
+
+
+def test_a_drifting_speed_is_predicted_as_the_median_of_its_histories():
+    spec = load_manifest(EXAMPLES / "local.yaml").spec
+    settings = serve_settings(spec, {"colocated": 2}, "test", "/model")
+    steady = engine_context(build_context(spec), settings)
+    ctx = dataclasses.replace(steady, drift=SpeedDrift(30.0, 0.1, 0.1, 0.2))
+    shape = LocalShape.from_settings(settings)
+    requests = requests_of(_sample_trace(spec, 200).at_rate(1.0))
+    draws = predict_draws(ctx, shape, requests, 1.0)
+    assert len(draws) == DRIFT_DRAWS
+    assert len({d.ttft_p_s[90] for d in draws}) == DRIFT_DRAWS  # each its own history
+    median = predict_run(ctx, shape, requests, 1.0)
+    assert median.ttft_p_s[90] == pytest.approx(np.median([d.ttft_p_s[90] for d in draws]))
+    assert median.attainment == pytest.approx(np.median([d.attainment for d in draws]))
+    # the same seeds, the same prediction; no drift, one draw
+    assert predict_run(ctx, shape, requests, 1.0) == median
+    assert len(predict_draws(steady, shape, requests, 1.0)) == 1
+    # what fidelity prints beside the measured figures: each one's range over the draws
+    measured = dataclasses.replace(median, attainment=1.5)
+    text = format_draws(draws, measured)
+    assert f"over {DRIFT_DRAWS} histories of the speed's drift" in text
+    assert re.search(r"attainment [\d.]+-[\d.]+% \(outside\)", text)
+    assert re.search(r"TTFT p90 [\d.]+-[\d.]+ s \(inside\)", text)

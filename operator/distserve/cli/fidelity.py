@@ -253,11 +253,16 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             rate = round(max(knee_rps, 0.01) * CALIBRATION_KNEE_FACTOR, 3)
             started_s = time.time()
             _drive(launcher.url, spec, calibration.at_rate(rate), drive_fn)
-            fit = fit_between(iterations_since(started_s), started_s)
-            ctx = dataclasses.replace(profiled, correction=fit.correction)
+            ended_s = time.time()
+            name_to_items = iterations_since(started_s)
+            fit = fit_between(name_to_items, started_s)
+            drift = speeds_by_window(profiled, shape, name_to_items, fit, started_s, ended_s,
+                                     SPEED_WINDOW_S, MIN_WINDOW_ITERATIONS).drift()
+            ctx = dataclasses.replace(profiled, correction=fit.correction, drift=drift)
             _say(f"\n{shape.describe()}: calibration, {calibration.num_requests} requests of another "
                  f"sample at {rate:g} req/s; the runner's iterations against the profile's time "
-                 f"for the same batches: {fit.describe()}; the simulator runs with this correction")
+                 f"for the same batches: {fit.describe()}; the speed's drift: "
+                 f"{drift.describe()}; the simulator runs with this correction and drift")
         knee_rps, judged_by = predicted_knee_rps(ctx, shape, knee_trace, estimate_rps)
         if not rates and knee_rps <= 0:
             raise ValueError(f"{shape.describe()}: the simulated attainment has no knee on this "
@@ -277,7 +282,8 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             replays = []
             for replay in range(repeat):
                 started_s = time.time()
-                row, outcomes = _compare_at(launcher.url, spec, ctx, shape, trace, rate, drive_fn)
+                row, outcomes, draws = _compare_at(launcher.url, spec, ctx, shape, trace, rate,
+                                                   drive_fn)
                 ended_s = time.time()
                 rows.append(row)
                 replays.append((row[1], row[2]))
@@ -287,11 +293,11 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                 run_fit = fit_between(name_to_items, started_s)
                 speeds = speeds_by_window(profiled, shape, name_to_items, run_fit, started_s,
                                           ended_s, SPEED_WINDOW_S, MIN_WINDOW_ITERATIONS)
-                own = _report(spec, shape, trace, row, ctx, profiled, factors_from, run_fit,
-                              speeds)
+                own = _report(spec, shape, trace, row, draws, ctx, profiled, factors_from,
+                              run_fit, speeds)
                 if trace.num_requests >= 2 * IN_RUN_REQUESTS:
                     first_s = float(trace.at_rate(rate).arrival_s[IN_RUN_REQUESTS])
-                    _report_in_run(spec, shape, trace, row, outcomes, profiled,
+                    _report_in_run(spec, shape, trace, row, outcomes, ctx, profiled,
                                    fit_between(name_to_items, started_s, started_s + first_s))
                 if factors_from is not None and own is not None:  # the next run: the freshest factors
                     ctx, factors_from = own, f"the run at {rate:g} req/s"
@@ -300,51 +306,58 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     return rows
 
 
-def _report(spec, shape, trace, row: tuple, ctx, profiled, factors_from: str | None, run_fit,
-            speeds: dict[str, list[float]]):
-    """Print one rate's comparison: measured beside simulated, the factors the prediction
-    used (from `factors_from`, None: the profile as measured) and the figures with the
-    profile as measured, then the run's own iteration factors, how far the speed moved
-    between windows of the run (`speeds`: {phase: each window's speed against the run's
-    factors}), and the figures with the run's own factors. Returns the context with the
-    run's own factors, or None when a phase ran no iteration."""
+def _report(spec, shape, trace, row: tuple, draws, ctx, profiled, factors_from: str | None,
+            run_fit, speeds):
+    """Print one rate's comparison: measured beside simulated (the median of the `draws`
+    of the speed's drift, whose range follows), the factors and drift the prediction used
+    (from `factors_from`, None: the profile as measured) and the figures with the profile
+    as measured, then the run's own iteration factors, how far the speed moved between
+    windows of the run (`speeds`, `RunSpeeds`), and the figures with the run's own factors,
+    at a steady speed and with the run's drift (what the drift alone moves). Returns the
+    context with those factors and drift, or None when a phase ran no iteration."""
     from distserve.local.prediction import predict_run, requests_of
-    from distserve.local.report import format_comparison, format_other
+    from distserve.local.report import format_comparison, format_draws, format_other
 
     rate = row[0]
     text = format_comparison(shape.describe(), *row, spec.slo.attainment)
+    if len(draws) > 1:
+        text += "\n" + format_draws(draws, row[1])
     sent = requests_of(trace.at_rate(rate))
     if factors_from is not None:
         text += (f"\n  simulated with the factors of {factors_from}: "
-                 f"{ctx.correction.describe()}")
+                 f"{ctx.correction.describe()}; drift "
+                 f"{ctx.drift.describe() if ctx.drift else 'none'}")
         text += "\n" + format_other("with the profile as measured",
                                      predict_run(profiled, shape, sent, rate))
     text += f"\n  this run's iterations against the profile: {run_fit.describe()}"
-    if speeds and max(len(v) for v in speeds.values()) > 1:
+    if speeds.phase_to_speeds and max(len(v) for v in speeds.phase_to_speeds.values()) > 1:
         text += (f"\n  this run's speed per {SPEED_WINDOW_S:g} s window, against its own factors: "
-                 + ", ".join(f"{phase} x{min(v):.2f}-{max(v):.2f} ({len(v)} windows)"
-                             for phase, v in speeds.items()))
+                 f"{speeds.describe()}; its drift: {speeds.drift().describe()}")
     own = None
     if all(fit.num_iterations for fit in run_fit.phases):
-        own = dataclasses.replace(profiled, correction=run_fit.correction)
-        text += "\n" + format_other("with this run's own factors", predict_run(own, shape, sent, rate))
+        own = dataclasses.replace(profiled, correction=run_fit.correction, drift=speeds.drift())
+        text += "\n" + format_other("with this run's own factors, steady", predict_run(
+            dataclasses.replace(own, drift=None), shape, sent, rate))
+        text += "\n" + format_other("with this run's own factors and drift",
+                                     predict_run(own, shape, sent, rate))
     _say(text)
     return own
 
 
-def _report_in_run(spec, shape, trace, row: tuple, outcomes, profiled, first_fit) -> None:
+def _report_in_run(spec, shape, trace, row: tuple, outcomes, ctx, profiled, first_fit) -> None:
     """Print the run's requests after its first IN_RUN_REQUESTS, measured beside the
     simulator's figures with the factors of the iterations the instances ran while those
     first ones arrived (the whole trace simulated, so that they queue ahead of the rest):
     a prediction with the runners' speed of that very run, as the analyzer corrects its
-    model from the window it observes. Nothing where a phase ran no iteration then."""
+    model from the window it observes (and ctx's drift: those few windows tell none).
+    Nothing where a phase ran no iteration then."""
     from distserve.local.prediction import predict_run, requests_of
     from distserve.local.report import format_comparison, summarize
 
     if not all(fit.num_iterations for fit in first_fit.phases):
         return
     rate, load = row[0], row[3]
-    ctx = dataclasses.replace(profiled, correction=first_fit.correction)
+    ctx = dataclasses.replace(profiled, correction=first_fit.correction, drift=ctx.drift)
     measured = summarize([o for o in outcomes if o.req_id >= IN_RUN_REQUESTS], rate,
                          spec.slo.ttft_seconds, spec.slo.tpot_seconds)
     predicted = predict_run(ctx, shape, requests_of(trace.at_rate(rate)), rate,
@@ -356,8 +369,9 @@ def _report_in_run(spec, shape, trace, row: tuple, outcomes, profiled, first_fit
 
 
 def _compare_at(url: str, spec, ctx, shape, trace, rate: float, drive_fn) -> tuple:
-    """((rate, measured, predicted, load), outcomes) of one replay at rate."""
-    from distserve.local.prediction import predict_run, requests_of
+    """((rate, measured, predicted, load), outcomes, the prediction's draws) of one replay
+    at rate (predicted: the draws' medians)."""
+    from distserve.local.prediction import median_of, predict_draws, requests_of
     from distserve.local.report import LoadSampler, summarize
 
     at_rate = trace.at_rate(rate)
@@ -368,8 +382,8 @@ def _compare_at(url: str, spec, ctx, shape, trace, rate: float, drive_fn) -> tup
                      for o in outcomes if o.error is not None or o.ttft_s is None)
     for message, count in failed.most_common():
         _say(f"  failed at {rate:g} req/s ({count} request{'s' if count > 1 else ''}): {message}")
-    predicted = predict_run(ctx, shape, requests_of(at_rate), rate)
-    return (rate, measured, predicted, load.summary()), outcomes
+    draws = predict_draws(ctx, shape, requests_of(at_rate), rate)
+    return (rate, measured, median_of(draws), load.summary()), outcomes, draws
 
 
 def _drive(url: str, spec, trace, drive_fn, limit: int | None = None):

@@ -37,9 +37,12 @@ from distserve.local.prediction import LocalShape
 from distserve.local.settings import local_instance_name
 from distserve.search.candidates import Config
 from distserve.search.trials import SearchContext, instance_model
+from distserve.simulator import SpeedDrift
 from distserve_engine.instance.iterations import ITERATION_HISTORY, KINDS, Iteration
 
 MIN_SEQUENCE_S = 1e-6  # a time per sequence below this is the fit's rounding: none
+MIN_DRIFT_WINDOWS = 3  # fewer windows of a phase tell no spread between them
+MAX_DRIFT_SD = 0.5  # of log speed: more is a broken run, not a drift to simulate
 
 
 @dataclass(frozen=True)
@@ -67,12 +70,6 @@ class PhaseFit:
         if self.profiled_s <= 0:
             return 1.0
         return (self.measured_s - self.sequence_s * self.num_sequences) / self.profiled_s
-
-    def speed_against(self, whole: PhaseFit) -> float:
-        """This part of a run's iterations (a window of it) against the whole run's fit:
-        measured over what the whole's factor and time per sequence give these batches."""
-        modelled_s = whole.factor * self.profiled_s + whole.sequence_s * self.num_sequences
-        return self.measured_s / modelled_s if modelled_s > 0 else math.nan
 
     def describe(self) -> str:
         """e.g. "prefill x1.16 (per batch x1.04-1.36, 133 batches)"."""
@@ -137,12 +134,107 @@ def fit_iterations(ctx: SearchContext, shape: LocalShape,
     """Each phase's measured over profiled time, over every instance of the shape.
     ctx's own correction is left out: the fit is against the profile as measured.
     A ValueError for an instance the shape does not have."""
-    bare = dataclasses.replace(ctx, correction=Correction())
+    kind_to_pairs = _profiled_pairs(ctx, shape, name_to_iterations)
+    return IterationFit(tuple(_phase_fit(kind, pairs) for kind, pairs in kind_to_pairs.items()))
+
+
+def fit_window(ctx: SearchContext, shape: LocalShape,
+               name_to_iterations: Mapping[str, list[Iteration]], started_s: float,
+               until_s: float = math.inf) -> IterationFit:
+    """The fit of the iterations that started from started_s until until_s."""
+    return fit_iterations(ctx, shape, _between(name_to_iterations, started_s, until_s))
+
+
+@dataclass(frozen=True)
+class RunSpeeds:
+    """How a run's speed moved against its own factors (`speeds_by_window`)."""
+
+    window_s: float
+    # {phase: each window's measured over modelled time}, windows of enough iterations
+    phase_to_speeds: dict[str, list[float]]
+    # {phase: the variance of each of those windows' log speed that its own iterations'
+    # spread alone makes}: what the spread across windows holds of noise, not drift
+    phase_to_noise: dict[str, list[float]]
+    prefill_batch_sd: float  # of a prefill batch's log time around its window's speed
+
+    def drift(self, seed: int = 0) -> SpeedDrift:
+        """The drift the simulator runs with: per phase, the spread of log speed across
+        windows less what the windows' noise accounts for (none with fewer than
+        MIN_DRIFT_WINDOWS windows)."""
+        def between_sd(phase: str) -> float:
+            speeds = self.phase_to_speeds.get(phase, [])
+            if len(speeds) < MIN_DRIFT_WINDOWS:
+                return 0.0
+            spread = float(np.var(np.log(speeds), ddof=1))
+            return min(MAX_DRIFT_SD, math.sqrt(max(0.0, spread - float(np.mean(
+                self.phase_to_noise[phase])))))
+
+        return SpeedDrift(self.window_s, between_sd("prefill"), between_sd("decode"),
+                          min(MAX_DRIFT_SD, self.prefill_batch_sd), seed)
+
+    def describe(self) -> str:
+        """e.g. "prefill x0.95-1.06 (10 windows), decode x0.93-1.11 (10 windows)"."""
+        return ", ".join(f"{phase} x{min(v):.2f}-{max(v):.2f} ({len(v)} windows)"
+                         for phase, v in self.phase_to_speeds.items() if v)
+
+
+def speeds_by_window(ctx: SearchContext, shape: LocalShape,
+                     name_to_iterations: Mapping[str, list[Iteration]], run_fit: IterationFit,
+                     started_s: float, ended_s: float, window_s: float,
+                     min_iterations: int) -> RunSpeeds:
+    """Each window's speed against run_fit (the fit of the iterations from started_s on),
+    in windows of window_s (the last one takes the rest, past ended_s too), leaving out a
+    phase's windows of fewer than min_iterations iterations: how far the runners' speed
+    moved within a run that one constant factor stands for, and how much of that the
+    batches' own spread makes."""
+    whole = {fit.phase: fit for fit in run_fit.phases}
+    num_windows = max(1, int((ended_s - started_s) // window_s))
+    edges = [started_s + k * window_s for k in range(num_windows)] + [math.inf]
+    phase_to_speeds: dict[str, list[float]] = {}
+    phase_to_noise: dict[str, list[float]] = {}
+    prefill_residuals: list[tuple[float, float]] = []  # (modelled s, log of measured/window's)
+    for lo, hi in itertools.pairwise(edges):
+        in_window = _profiled_pairs(ctx, shape, _between(name_to_iterations, lo, hi))
+        for phase, pairs in in_window.items():
+            pairs = [(item, p) for item, p in pairs if p > 0]
+            if len(pairs) < min_iterations:
+                continue
+            fit = whole[phase]
+            modelled = np.array([fit.factor * p + fit.sequence_s * len(item.lens)
+                                 for item, p in pairs])
+            measured = np.array([item.busy_s for item, _ in pairs])
+            speed = measured.sum() / modelled.sum()
+            # the ratio of sums' own variance, from its iterations' spread about it
+            noise = float(np.sum((measured - speed * modelled) ** 2)) / modelled.sum() ** 2
+            phase_to_speeds.setdefault(phase, []).append(float(speed))
+            phase_to_noise.setdefault(phase, []).append(noise / speed ** 2)
+            if phase == "prefill":
+                prefill_residuals += zip(modelled, np.log(measured / (speed * modelled)),
+                                         strict=True)
+    batch_sd = 0.0
+    if prefill_residuals:
+        weights, logs = np.array(prefill_residuals).T
+        batch_sd = math.sqrt(float(np.sum(weights * logs ** 2) / np.sum(weights)))
+    return RunSpeeds(window_s, phase_to_speeds, phase_to_noise, batch_sd)
+
+
+def _between(name_to_iterations: Mapping[str, Iterable[Iteration]], started_s: float,
+             until_s: float) -> dict[str, list[Iteration]]:
+    return {name: [i for i in items if started_s <= i.started_s < until_s]
+            for name, items in name_to_iterations.items()}
+
+
+def _profiled_pairs(ctx: SearchContext, shape: LocalShape,
+                    name_to_iterations: Mapping[str, Iterable[Iteration]],
+                    ) -> dict[str, list[tuple[Iteration, float]]]:
+    """{kind: (iteration, the profile's time for its batch)} over the shape's instances
+    (ctx's own correction left out); a ValueError for an instance the shape lacks."""
+    bare = dataclasses.replace(ctx, correction=Correction(), drift=None)
     name_to_config = {}
     for role, shapes in shape.role_to_parallel.items():
         for index, parallel in enumerate(shapes):
             name_to_config[local_instance_name(role, index)] = (role, Config(parallel.tp, parallel.pp))
-    kind_to_items: dict[str, list[tuple[Iteration, float]]] = {kind: [] for kind in KINDS}
+    kind_to_pairs: dict[str, list[tuple[Iteration, float]]] = {kind: [] for kind in KINDS}
     for name, items in name_to_iterations.items():
         if name not in name_to_config:
             raise ValueError(f"iterations of instance {name!r}, which the deployment "
@@ -150,36 +242,8 @@ def fit_iterations(ctx: SearchContext, shape: LocalShape,
         role, config = name_to_config[name]
         serving_mode = "colocated" if role == "colocated" else "disaggregated"
         for item in items:
-            kind_to_items[item.kind].append((item, profiled_s(bare, serving_mode, config, item)))
-    return IterationFit(tuple(_phase_fit(kind, pairs) for kind, pairs in kind_to_items.items()))
-
-
-def fit_window(ctx: SearchContext, shape: LocalShape,
-               name_to_iterations: Mapping[str, list[Iteration]], started_s: float,
-               until_s: float = math.inf) -> IterationFit:
-    """The fit of the iterations that started from started_s until until_s."""
-    return fit_iterations(ctx, shape, {
-        name: [i for i in items if started_s <= i.started_s < until_s]
-        for name, items in name_to_iterations.items()})
-
-
-def speeds_by_window(ctx: SearchContext, shape: LocalShape,
-                     name_to_iterations: Mapping[str, list[Iteration]], run_fit: IterationFit,
-                     started_s: float, ended_s: float, window_s: float,
-                     min_iterations: int) -> dict[str, list[float]]:
-    """{phase: each window's speed against run_fit (the fit of the iterations from started_s
-    on)}, in windows of window_s (the last one takes the rest, past ended_s too), leaving
-    out a phase's windows of fewer than min_iterations iterations: how far the runners'
-    speed moved within a run that one constant factor stands for."""
-    whole = {fit.phase: fit for fit in run_fit.phases}
-    num_windows = max(1, int((ended_s - started_s) // window_s))
-    edges = [started_s + k * window_s for k in range(num_windows)] + [math.inf]
-    phase_to_speeds: dict[str, list[float]] = {}
-    for lo, hi in itertools.pairwise(edges):
-        for fit in fit_window(ctx, shape, name_to_iterations, lo, hi).phases:
-            if fit.num_iterations >= min_iterations:
-                phase_to_speeds.setdefault(fit.phase, []).append(fit.speed_against(whole[fit.phase]))
-    return phase_to_speeds
+            kind_to_pairs[item.kind].append((item, profiled_s(bare, serving_mode, config, item)))
+    return kind_to_pairs
 
 
 def _phase_fit(phase: str, pairs: list[tuple[Iteration, float]]) -> PhaseFit:

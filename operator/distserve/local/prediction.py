@@ -37,6 +37,7 @@ from distserve.workload import Request
 from distserve_engine.server.settings import Parallelism, ServeSettings
 
 PERCENTILES = (50, 90, 99)
+DRIFT_DRAWS = 8  # histories of a drifting speed one prediction takes the median of
 KNEE_DROP = 0.1  # attainment points below the unloaded level that mark the knee
 
 
@@ -145,10 +146,42 @@ def predicted_summary(result: SimResult, trace: Trace, rate_rps: float, ttft_slo
 def predict_run(ctx: SearchContext, shape: LocalShape, requests: Sequence[Request],
                 rate_rps: float, scored_from: int = 0) -> RunSummary:
     """The simulator's figures for these requests on this shape (SLOs from ctx), over
-    those from `scored_from` on (the ones before still queue ahead of them)."""
+    those from `scored_from` on (the ones before still queue ahead of them); where ctx's
+    speed drifts, each figure the median over DRIFT_DRAWS histories of the drift."""
+    return median_of(predict_draws(ctx, shape, requests, rate_rps, scored_from))
+
+
+def predict_draws(ctx: SearchContext, shape: LocalShape, requests: Sequence[Request],
+                  rate_rps: float, scored_from: int = 0) -> list[RunSummary]:
+    """`predict_run`'s figures for each history of ctx's drift it draws (seeds 0 to
+    DRIFT_DRAWS - 1), or the one run where the speed does not drift."""
     trace = trace_of(requests)
-    result = simulate_shape(ctx, shape, trace)
-    return predicted_summary(result, trace, rate_rps, ctx.slo.ttft_s, ctx.slo.tpot_s, scored_from)
+    drift = ctx.drift
+    contexts = ([ctx] if drift is None or drift.is_still else
+                [dataclasses.replace(ctx, drift=dataclasses.replace(drift, seed=seed))
+                 for seed in range(DRIFT_DRAWS)])
+    return [predicted_summary(simulate_shape(c, shape, trace), trace, rate_rps, ctx.slo.ttft_s,
+                              ctx.slo.tpot_s, scored_from) for c in contexts]
+
+
+def median_of(draws: Sequence[RunSummary]) -> RunSummary:
+    """Each figure's median over the draws of one prediction (the draw itself for one)."""
+    if len(draws) == 1:
+        return draws[0]
+
+    def median(values) -> float:
+        return float(np.median(list(values)))
+
+    first = draws[0]
+    batches = [d.num_prefill_batches for d in draws if d.num_prefill_batches is not None]
+    return RunSummary(
+        rate_rps=first.rate_rps, num_requests=first.num_requests,
+        num_errors=round(median(d.num_errors for d in draws)),
+        attainment=median(d.attainment for d in draws),
+        ttft_p_s={p: median(d.ttft_p_s[p] for d in draws) for p in first.ttft_p_s},
+        tpot_p_s={p: median(d.tpot_p_s[p] for d in draws) for p in first.tpot_p_s},
+        num_prefill_batches=round(median(batches)) if batches else None,
+    )
 
 
 def predicted_knee_rps(ctx: SearchContext, shape: LocalShape, trace_at_1rps: Trace,
@@ -157,7 +190,11 @@ def predicted_knee_rps(ctx: SearchContext, shape: LocalShape, trace_at_1rps: Tra
     simulated shape's attainment on this trace (arrivals scaled to the rate) stays at the
     SLO target, or at KNEE_DROP below its unloaded level where that is lower: where the
     target is barely met (or missed) unloaded, the goodput is a near-zero rate and says
-    nothing about where queueing starts to cost."""
+    nothing about where queueing starts to cost.
+    NOTE: judged at a steady speed (ctx's drift left out): one history of a drift, drawn
+    again at every rate tried, is not a function of the rate that bisection can search."""
+    ctx = dataclasses.replace(ctx, drift=None)
+
     def goodput(target: float):
         return find_goodput(
             lambda rate, s: simulate_shape(ctx, shape, trace_at_1rps.at_rate(rate), s),

@@ -159,6 +159,21 @@ def format_replays(what: str, rate: float, replays: list[tuple[RunSummary, RunSu
     return "\n".join(lines)
 
 
+def format_draws(draws: list[RunSummary], measured: RunSummary) -> str:
+    """The range of each figure over the histories of a drifting speed the prediction
+    drew, and whether the measured figure lies inside it."""
+    def part(label: str, values: list[float], value: float, fmt: str, unit: str) -> str:
+        inside = "inside" if min(values) <= value <= max(values) else "outside"
+        return f"{label} {_range(values, fmt)}{unit} ({inside})"
+
+    parts = [part("attainment", [d.attainment * 100 for d in draws], measured.attainment * 100,
+                  ".1f", "%")]
+    parts += [part(label, [getattr(d, field)[p] for d in draws], getattr(measured, field)[p],
+                   ".3f", " s") for label, field, p in GOAL_PERCENTILES]
+    return (f"  over {len(draws)} histories of the speed's drift (the simulated figure is the "
+            "median; whether the measured one lies inside the range): " + ", ".join(parts))
+
+
 def _range(values: list[float], fmt: str) -> str:
     return f"{min(values):{fmt}}-{max(values):{fmt}}"
 

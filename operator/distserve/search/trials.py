@@ -28,6 +28,7 @@ from distserve.simulator import (
     SLO,
     InstanceModel,
     SimResult,
+    SpeedDrift,
     StageTimer,
     Trace,
     TransferModel,
@@ -69,6 +70,9 @@ class SearchContext:
     # refuses (a running deployment's, for predictions of it); None: no limit, as the
     # search sizes a plan for its rate
     max_waiting_requests: int | None = None
+    # how the instances' speed moves while they serve (fitted on a running deployment,
+    # for predictions of it); None: each batch takes the profile's time
+    drift: SpeedDrift | None = None
 
     def trial_trace(self, rate_rps: float) -> Trace:
         """The requests of one trial at rate_rps.
@@ -181,7 +185,7 @@ def simulate_unit(
         max_prefill_tokens=[prefill_tokens(ctx, c) for c in every.prefill],
         max_decode_batch=ctx.max_decode_batch,
         can_decode_across_nodes=ctx.can_decode_across_nodes,
-        max_waiting=ctx.max_waiting_requests,
+        max_waiting=ctx.max_waiting_requests, drift=ctx.drift,
     )
 
 
@@ -203,7 +207,7 @@ def simulate_baseline(
         trace, [model] * instances, slo=slo,
         chunk_size=ctx.chunk_size if name == "chunked_prefill" else None,
         max_batch_tokens=max_batch_tokens or max(2048, prefill_tokens(ctx, config)),
-        max_batch=ctx.max_decode_batch, max_waiting=ctx.max_waiting_requests,
+        max_batch=ctx.max_decode_batch, max_waiting=ctx.max_waiting_requests, drift=ctx.drift,
     )
 
 

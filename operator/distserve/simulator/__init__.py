@@ -2,11 +2,13 @@
 colocated baselines, on one latency model, to predict TTFT, TPOT and SLO attainment.
 
 `simulate_disaggregated` and `simulate_colocated` run one trial over a `Trace`;
-`InstanceModel` and `StageTimer` wrap a latency model with the instance's memory.
+`InstanceModel` and `StageTimer` wrap a latency model with the instance's memory;
+`SpeedDrift` lets the instances' speed move over a trial as a host's does.
 """
 
 from distserve.simulator.colocated import simulate_colocated
 from distserve.simulator.disaggregated import TransferModel, simulate_disaggregated
+from distserve.simulator.drift import SpeedDrift
 from distserve.simulator.results import SLO, SimResult, Trace
 from distserve.simulator.timing import InstanceModel, StageTimer
 
@@ -14,6 +16,7 @@ __all__ = [
     "SLO",
     "InstanceModel",
     "SimResult",
+    "SpeedDrift",
     "StageTimer",
     "Trace",
     "TransferModel",

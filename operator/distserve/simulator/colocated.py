@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from distserve.simulator.batch import DecodeRun, held_by_others, limit_runs
+from distserve.simulator.drift import SpeedDrift, drifting
 from distserve.simulator.events import EventLoop
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
 from distserve.simulator.timing import InstanceModel
@@ -234,14 +235,16 @@ def simulate_colocated(
     max_batch_tokens: int = 2048,
     max_batch: int = 256,
     max_waiting: int | None = None,
+    drift: SpeedDrift | None = None,
 ) -> SimResult:
     """Run one trial of the colocated engine: vLLM-style with chunk_size None, chunked
     prefill with piggybacked decodes otherwise. Timers should come from the colocated
     latency model. With `slo`, the trial stops once the target is out of reach.
     `max_waiting`: the router refuses a request on arrival while this many wait for their
-    first token (None: no limit)."""
+    first token (None: no limit). `drift`: the instances' speed moves as it says."""
     sim = _Sim(trace, slo, max_batch_tokens, max_waiting)
-    sim.instances = [_Instance(sim, m, max_batch, chunk_size) for m in instances]
+    sim.instances = [_Instance(sim, m, max_batch, chunk_size)
+                     for m in drifting(instances, drift, sim.loop)]
     sim.loop.arrivals(trace.arrival_s.tolist(), sim.arrive)
     sim.loop.run()
     return sim.rec.result()

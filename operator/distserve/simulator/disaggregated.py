@@ -42,6 +42,7 @@ from operator import attrgetter
 
 from distserve.simulator.batch import DecodeRun, HeldTokens, limit_runs
 from distserve.simulator.boundaries import BoundaryQueue
+from distserve.simulator.drift import SpeedDrift, drifting
 from distserve.simulator.events import EventLoop
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
 from distserve.simulator.timing import InstanceModel
@@ -384,6 +385,7 @@ def simulate_disaggregated(
     max_decode_batch: int = 256,
     can_decode_across_nodes: bool = True,
     max_waiting: int | None = None,
+    drift: SpeedDrift | None = None,
 ) -> SimResult:
     """Run one trial. An empty `prefill` simulates decode alone (requests arrive
     prefilled); an empty `decode` simulates prefill alone (requests end at their first
@@ -392,8 +394,10 @@ def simulate_disaggregated(
     `can_decode_across_nodes` False (low node affinity): a prefilled request goes to a
     decode instance on its prefill's fastest link (its node), full or not.
     `max_waiting`: the router refuses a request on arrival while this many wait for their
-    first token (None: no limit)."""
+    first token (None: no limit). `drift`: the instances' speed moves as it says."""
     sim = _Sim(trace, slo, max_waiting)
+    models = drifting([*prefill, *decode], drift, sim.loop)
+    prefill, decode = models[:len(prefill)], models[len(prefill):]
     lms = ([max_prefill_tokens] * len(prefill) if isinstance(max_prefill_tokens, int)
            else list(max_prefill_tokens))
     sim.prefills = [_Prefill(sim, i, m, lm) for i, (m, lm) in enumerate(zip(prefill, lms, strict=True))]

@@ -1,0 +1,147 @@
+"""A host's speed that moves while it serves, for the simulator to run with.
+
+A latency profile and a correction give each batch one time. A real runner's time for
+the same batch moves: from one stretch of a minute to the next (on this project's CPU
+hosts by x0.95-1.06 per 30 s window against the run's own factor), and from one batch to
+the next. Near the knee that matters more than its mean: a slow stretch builds a queue
+that a fast one does not drain as much, so a constant speed predicts tails that are too
+narrow and an attainment that is too high (`distserve fidelity`: 3-3.5 points on two
+colocated instances with a run's own factors).
+
+`SpeedDrift` says how much the speed moves (what `local.calibration.drift_of` measures
+of a run's iterations) and `SpeedTrack` draws one history of it: each phase's speed
+constant over windows of `window_s`, log-normal across windows with mean 1 (the
+correction keeps the mean, the drift only spreads it), and each prefill batch's time
+further spread around its window's speed. Decode has no per-step term: a request's TPOT
+averages hundreds of steps, and the simulator steps decode batches in closed form.
+The windows are shared by every instance of a trial: the host drifts as one.
+`DriftingTimer` puts a track under a `StageTimer` for one trial.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from distserve.simulator.timing import InstanceModel, StageTimer
+
+
+@dataclass(frozen=True)
+class SpeedDrift:
+    """How far a host's speed moves: the standard deviations of log speed."""
+
+    window_s: float  # the speed holds over windows this long
+    prefill_sd: float  # of a window's prefill speed across windows
+    decode_sd: float  # of a window's decode speed across windows
+    prefill_batch_sd: float = 0.0  # of a prefill batch's time around its window's
+    seed: int = 0  # which history a trial draws
+
+    def __post_init__(self) -> None:
+        if not self.window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {self.window_s}")
+        for name in ("prefill_sd", "decode_sd", "prefill_batch_sd"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
+
+    @property
+    def is_still(self) -> bool:
+        """Whether the speed does not move at all."""
+        return self.prefill_sd == self.decode_sd == self.prefill_batch_sd == 0.0
+
+    def describe(self) -> str:
+        """e.g. "per 30 s window prefill 2.1%, decode 3.0%; a prefill batch 6.5%"."""
+        return (f"per {self.window_s:g} s window prefill {self.prefill_sd:.1%}, decode "
+                f"{self.decode_sd:.1%}; a prefill batch {self.prefill_batch_sd:.1%}")
+
+
+class SpeedTrack:
+    """One drawn history of a drift: multipliers on iteration times, by simulated time.
+    The windows and the batches draw from streams of their own, so that a seed gives
+    the same windows whatever batches the trial runs."""
+
+    __slots__ = ("drift", "_window_rng", "_batch_rng", "_offset_s", "_windows")
+
+    def __init__(self, drift: SpeedDrift) -> None:
+        self.drift = drift
+        self._window_rng = np.random.default_rng([drift.seed, 0])
+        self._batch_rng = np.random.default_rng([drift.seed, 1])
+        # NOTE: the windows start at a random phase: a trial's first arrival is no
+        # more the start of a stretch than any other moment
+        self._offset_s = float(self._window_rng.uniform(0.0, drift.window_s))
+        self._windows: list[tuple[float, float]] = []  # (prefill, decode) per window
+
+    def window_at(self, now_s: float) -> tuple[float, float]:
+        """(prefill, decode) speed multipliers of the window that holds now_s."""
+        index = max(0, int((now_s + self._offset_s) // self.drift.window_s))
+        drift = self.drift
+        while len(self._windows) <= index:
+            z_prefill, z_decode = self._window_rng.standard_normal(2)
+            self._windows.append((_mean_one(drift.prefill_sd, z_prefill),
+                                  _mean_one(drift.decode_sd, z_decode)))
+        return self._windows[index]
+
+    def prefill_at(self, now_s: float) -> float:
+        """The multiplier on a prefill batch that starts at now_s (drawn afresh per batch)."""
+        sd = self.drift.prefill_batch_sd
+        batch = _mean_one(sd, self._batch_rng.standard_normal()) if sd else 1.0
+        return self.window_at(now_s)[0] * batch
+
+    def decode_at(self, now_s: float) -> float:
+        """The multiplier on decode steps run from now_s."""
+        return self.window_at(now_s)[1]
+
+
+def _mean_one(sd: float, z: float) -> float:
+    """A log-normal draw with mean 1 and this sd of its log."""
+    return math.exp(sd * z - sd * sd / 2) if sd else 1.0
+
+
+class DriftingTimer:
+    """A `StageTimer` whose times follow a `SpeedTrack` at the trial's clock (`loop.now`):
+    the same calls, so the simulators take one where they take the other."""
+
+    __slots__ = ("timer", "track", "loop", "pp", "latency")
+
+    def __init__(self, timer: StageTimer, track: SpeedTrack, loop) -> None:
+        self.timer = timer
+        self.track = track
+        self.loop = loop
+        self.pp = timer.pp
+        self.latency = timer.latency
+
+    def prefill_batch_s(self, prompt_lens: tuple[int, ...]) -> tuple[float, float]:
+        """(seconds per stage, seconds of each hand-off) for a prefill batch starting now."""
+        stage_s, handoff_s = self.timer.prefill_batch_s(prompt_lens)
+        speed = self.track.prefill_at(self.loop.now)
+        return stage_s * speed, handoff_s * speed
+
+    def prefill_iteration_s(self, prompt_lens: tuple[int, ...]) -> float:
+        """A prefill batch starting now through every stage."""
+        return self.timer.prefill_iteration_s(prompt_lens) * self.track.prefill_at(self.loop.now)
+
+    def decode_line(self, batch_size: int) -> tuple[float, float]:
+        """(alpha_s, slope_s_per_token) of decode steps from now (`StageTimer.decode_line`)."""
+        alpha_s, slope_s = self.timer.decode_line(batch_size)
+        speed = self.track.decode_at(self.loop.now)
+        return alpha_s * speed, slope_s * speed
+
+    def mixed_iteration_s(self, chunks: Sequence[tuple[int, int]], batch_size: int,
+                          total_context: int) -> float:
+        """A chunked-prefill iteration starting now, at prefill's speed (its chunks)."""
+        return (self.timer.mixed_iteration_s(chunks, batch_size, total_context)
+                * self.track.prefill_at(self.loop.now))
+
+
+def drifting(models: Sequence[InstanceModel], drift: SpeedDrift | None,
+             loop) -> list[InstanceModel]:
+    """One trial's instances, each timed on one track of the drift drawn for the trial
+    (the models as they are with no drift)."""
+    if drift is None or drift.is_still:
+        return list(models)
+    track = SpeedTrack(drift)
+    return [InstanceModel(DriftingTimer(m.timer, track, loop), m.kv_capacity_tokens)
+            for m in models]
