@@ -19,6 +19,14 @@ held its core: what is left of a factor is the runner itself running slower or f
 than when the profile was measured (on SmolLM2 in bfloat16, factors of x0.96-1.61 over
 four runs of `distserve fidelity` in an hour, the runner off its core 3-14% of its
 calls' time: the host's own speed drifts that much).
+
+A constant factor is the mean of a speed that moves. `speeds_by_window` tells each
+window of a run against the run's factor, and `RunSpeeds.drift` makes of it the
+`SpeedDrift` the simulator can run with: the spread of log speed across windows less
+what the windows' own batches' scatter alone would give it (the variance of a ratio of
+sums, from its iterations' residuals), and a prefill batch's spread about its window.
+NOTE: decode steps follow each other closely, so their residuals are not independent
+and a decode window's noise is underestimated: its drift reads high, if anything.
 """
 
 from __future__ import annotations
