@@ -23,7 +23,15 @@ from distserve.cli.fidelity import (
     compare_deployment,
 )
 from distserve.latency import Correction
-from distserve.local.calibration import fit_iterations, fit_window, profiled_s, speeds_by_window
+from distserve.local.calibration import (
+    DECODE_DRIFT_WINDOW_S,
+    PREFILL_DRIFT_WINDOW_S,
+    fit_drift,
+    fit_iterations,
+    fit_window,
+    profiled_s,
+    speeds_by_window,
+)
 from distserve.local.load import Outcome
 from distserve.local.prediction import LocalShape, engine_context, predicted_knee_rps
 from distserve.local.settings import instance_counts, instance_parallel, serve_settings
@@ -147,9 +155,9 @@ def test_a_runs_speed_per_window_is_told_against_the_whole_runs_factors():
     # the other windows ran no decode step
     assert speeds.phase_to_speeds["decode"] == pytest.approx([1.0])
     # each window's batches ran at its speed exactly: all the spread is drift, none noise
-    drift = speeds.drift()
-    assert drift.prefill_sd == pytest.approx(np.std(np.log([0.8, 1.0, 1.2]), ddof=1))
-    assert (drift.prefill_batch_sd, drift.decode_sd) == pytest.approx((0.0, 0.0))  # 1 window
+    assert speeds.between_sd("prefill") == pytest.approx(np.std(np.log([0.8, 1.0, 1.2]), ddof=1))
+    assert speeds.prefill_batch_sd == pytest.approx(0.0)
+    assert speeds.between_sd("decode") == 0.0  # one window tells no spread
     assert "prefill x0.80-1.20 (3 windows), decode x1.00-1.00 (1 windows)" in speeds.describe()
 
 
@@ -165,10 +173,15 @@ def test_batches_that_scatter_alike_in_every_window_are_a_batch_spread_not_a_dri
     run_fit = fit_window(ctx, shape, name_to_items, 1000.0)
     speeds = speeds_by_window(ctx, shape, name_to_items, run_fit, 1000.0, 1120.0, 30.0, 4)
     assert speeds.phase_to_speeds["prefill"] == pytest.approx([1.0] * 4)
-    drift = speeds.drift(seed=3)
-    assert drift.prefill_sd == 0.0 and drift.seed == 3
+    assert speeds.between_sd("prefill") == 0.0
     # x1.2 and x1.8 about the windows' x1.5: +-0.2 in log
-    assert 0.15 < drift.prefill_batch_sd < 0.3
+    assert 0.15 < speeds.prefill_batch_sd < 0.3
+    # fit_drift: prefill over 30 s windows, decode over 2 s ones (none ran here)
+    drift = fit_drift(ctx, shape, name_to_items, run_fit, 1000.0, 1120.0, 4)
+    assert (drift.prefill_window_s, drift.decode_window_s) == (PREFILL_DRIFT_WINDOW_S,
+                                                               DECODE_DRIFT_WINDOW_S)
+    assert (drift.prefill_sd, drift.decode_sd) == (0.0, 0.0)
+    assert drift.prefill_batch_sd == pytest.approx(speeds.prefill_batch_sd)
 
 
 def test_a_colocated_instance_is_fitted_per_kind_with_the_colocated_profile():

@@ -30,7 +30,8 @@ def lone_requests(num_requests: int, output_tokens: int = 1) -> Trace:
 
 
 def test_a_drift_spreads_batch_times_about_the_mean_the_correction_gives():
-    drift = SpeedDrift(window_s=30.0, prefill_sd=0.1, decode_sd=0.0, prefill_batch_sd=0.2, seed=3)
+    drift = SpeedDrift(prefill_window_s=30.0, prefill_sd=0.1, decode_window_s=2.0, decode_sd=0.0,
+                       prefill_batch_sd=0.2, seed=3)
     ttft = prefill_only(lone_requests(5000), drift).ttft_s
     # mean 1: the correction's factor still holds on average
     assert np.mean(ttft) == pytest.approx(D_S, rel=0.02)
@@ -42,7 +43,7 @@ def test_a_drift_spreads_batch_times_about_the_mean_the_correction_gives():
 
 def test_a_still_drift_simulates_exactly_as_none():
     trace = make_trace(300, 4.0, seed=7)
-    still = SpeedDrift(window_s=30.0, prefill_sd=0.0, decode_sd=0.0)
+    still = SpeedDrift(30.0, prefill_sd=0.0, decode_window_s=2.0, decode_sd=0.0)
     a = simulate_colocated(trace, [make_instance()] * 2, drift=still)
     b = simulate_colocated(trace, [make_instance()] * 2)
     assert np.array_equal(a.ttft_s, b.ttft_s) and np.array_equal(a.tpot_s, b.tpot_s, equal_nan=True)
@@ -52,7 +53,7 @@ def test_a_queue_follows_the_speed_of_its_stretch_as_md1_says():
     """Windows far longer than a queue takes to settle: each stretch is an M/D/1 queue at
     its own speed, so the mean TTFT is Eq. 1 averaged over the arrivals' windows."""
     rate = 7.0  # 70% busy at the mean speed
-    drift = SpeedDrift(window_s=500.0, prefill_sd=0.1, decode_sd=0.0, seed=7)
+    drift = SpeedDrift(500.0, prefill_sd=0.1, decode_window_s=2.0, decode_sd=0.0, seed=7)
     # NOTE: 57 windows of 3,500 requests: the mean of each stretch's waits is within
     # ~1% of Eq. 1 (seeds 5-7 read 0.5-1.1% over it); 60,000 requests read 2.6%
     trace = make_trace(200000, rate, prompt_tokens=PROMPT, output_tokens=1, seed=2)
@@ -69,7 +70,7 @@ def test_a_queue_follows_the_speed_of_its_stretch_as_md1_says():
 
 
 def test_decode_steps_follow_the_decode_speed_of_their_window():
-    drift = SpeedDrift(window_s=5.0, prefill_sd=0.0, decode_sd=0.15, seed=1)
+    drift = SpeedDrift(30.0, prefill_sd=0.0, decode_window_s=5.0, decode_sd=0.15, seed=1)
     trace = lone_requests(400, output_tokens=11)  # 10 steps well within one window
     instance = make_instance(decode_s_per_token=0.0)
     result = simulate_colocated(trace, [instance], drift=drift)
@@ -81,16 +82,18 @@ def test_decode_steps_follow_the_decode_speed_of_their_window():
     assert np.std(np.log(result.tpot_s)) == pytest.approx(0.15, rel=0.15)
 
 
-@pytest.mark.parametrize(("field", "value"), [("window_s", 0.0), ("prefill_sd", -0.1),
-                                              ("decode_sd", 1.5), ("prefill_batch_sd", 1.0)])
+@pytest.mark.parametrize(("field", "value"), [
+    ("prefill_window_s", 0.0), ("decode_window_s", -1.0), ("prefill_sd", -0.1),
+    ("decode_sd", 1.5), ("prefill_batch_sd", 1.0)])
 def test_a_drift_out_of_range_is_refused_naming_the_field(field, value):
-    good = dict(window_s=30.0, prefill_sd=0.1, decode_sd=0.1)
+    good = dict(prefill_window_s=30.0, prefill_sd=0.1, decode_window_s=2.0, decode_sd=0.1)
     with pytest.raises(ValueError, match=field):
         SpeedDrift(**{**good, field: value})
 
 
 def test_the_same_seed_draws_the_same_windows_whatever_batches_ran():
-    drift = SpeedDrift(window_s=10.0, prefill_sd=0.2, decode_sd=0.2, prefill_batch_sd=0.3, seed=4)
+    drift = SpeedDrift(10.0, prefill_sd=0.2, decode_window_s=3.0, decode_sd=0.2, prefill_batch_sd=0.3,
+                       seed=4)
     busy, idle = SpeedTrack(drift), SpeedTrack(drift)
     for t in np.linspace(0, 100, 500):
         busy.prefill_at(float(t))  # draws a batch's own spread each time

@@ -121,7 +121,7 @@ def test_a_drifting_speed_is_predicted_as_the_median_of_its_histories():
     spec = load_manifest(EXAMPLES / "local.yaml").spec
     settings = serve_settings(spec, {"colocated": 2}, "test", "/model")
     steady = engine_context(build_context(spec), settings)
-    ctx = dataclasses.replace(steady, drift=SpeedDrift(30.0, 0.1, 0.1, 0.2))
+    ctx = dataclasses.replace(steady, drift=SpeedDrift(30.0, 0.1, 2.0, 0.1, 0.2))
     shape = LocalShape.from_settings(settings)
     requests = requests_of(_sample_trace(spec, 200).at_rate(1.0))
     draws = predict_draws(ctx, shape, requests, 1.0)

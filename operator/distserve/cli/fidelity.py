@@ -210,7 +210,12 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     drive_fn(url, requests) -> outcomes, launch(settings, port) -> a context manager with
     .url, and iterations_fn(launcher) -> {instance name: [Iteration]} replace the HTTP load
     generator, the processes and the instances' /debug/iterations (tests)."""
-    from distserve.local.calibration import fetch_iterations, fit_window, speeds_by_window
+    from distserve.local.calibration import (
+        fetch_iterations,
+        fit_drift,
+        fit_window,
+        speeds_by_window,
+    )
     from distserve.local.launcher import LocalLauncher
     from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context, predicted_knee_rps
     from distserve.local.report import format_replays
@@ -256,8 +261,8 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             ended_s = time.time()
             name_to_items = iterations_since(started_s)
             fit = fit_between(name_to_items, started_s)
-            drift = speeds_by_window(profiled, shape, name_to_items, fit, started_s, ended_s,
-                                     SPEED_WINDOW_S, MIN_WINDOW_ITERATIONS).drift()
+            drift = fit_drift(profiled, shape, name_to_items, fit, started_s, ended_s,
+                              MIN_WINDOW_ITERATIONS)
             ctx = dataclasses.replace(profiled, correction=fit.correction, drift=drift)
             _say(f"\n{shape.describe()}: calibration, {calibration.num_requests} requests of another "
                  f"sample at {rate:g} req/s; the runner's iterations against the profile's time "
@@ -293,8 +298,10 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                 run_fit = fit_between(name_to_items, started_s)
                 speeds = speeds_by_window(profiled, shape, name_to_items, run_fit, started_s,
                                           ended_s, SPEED_WINDOW_S, MIN_WINDOW_ITERATIONS)
+                drift = fit_drift(profiled, shape, name_to_items, run_fit, started_s, ended_s,
+                                  MIN_WINDOW_ITERATIONS)
                 own = _report(spec, shape, trace, row, draws, ctx, profiled, factors_from,
-                              run_fit, speeds)
+                              run_fit, speeds, drift)
                 if trace.num_requests >= 2 * IN_RUN_REQUESTS:
                     first_s = float(trace.at_rate(rate).arrival_s[IN_RUN_REQUESTS])
                     _report_in_run(spec, shape, trace, row, outcomes, ctx, profiled,
@@ -307,14 +314,15 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
 
 
 def _report(spec, shape, trace, row: tuple, draws, ctx, profiled, factors_from: str | None,
-            run_fit, speeds):
+            run_fit, speeds, drift):
     """Print one rate's comparison: measured beside simulated (the median of the `draws`
     of the speed's drift, whose range follows), the factors and drift the prediction used
     (from `factors_from`, None: the profile as measured) and the figures with the profile
     as measured, then the run's own iteration factors, how far the speed moved between
-    windows of the run (`speeds`, `RunSpeeds`), and the figures with the run's own factors,
-    at a steady speed and with the run's drift (what the drift alone moves). Returns the
-    context with those factors and drift, or None when a phase ran no iteration."""
+    windows of the run (`speeds`, `RunSpeeds`), its `drift`, and the figures with the
+    run's own factors, at a steady speed and with that drift (what the drift alone
+    moves). Returns the context with those factors and drift, or None when a phase ran
+    no iteration."""
     from distserve.local.prediction import predict_run, requests_of
     from distserve.local.report import format_comparison, format_draws, format_other
 
@@ -332,10 +340,11 @@ def _report(spec, shape, trace, row: tuple, draws, ctx, profiled, factors_from: 
     text += f"\n  this run's iterations against the profile: {run_fit.describe()}"
     if speeds.phase_to_speeds and max(len(v) for v in speeds.phase_to_speeds.values()) > 1:
         text += (f"\n  this run's speed per {SPEED_WINDOW_S:g} s window, against its own factors: "
-                 f"{speeds.describe()}; its drift: {speeds.drift().describe()}")
+                 f"{speeds.describe()}")
+    text += f"\n  this run's drift: {drift.describe()}"
     own = None
     if all(fit.num_iterations for fit in run_fit.phases):
-        own = dataclasses.replace(profiled, correction=run_fit.correction, drift=speeds.drift())
+        own = dataclasses.replace(profiled, correction=run_fit.correction, drift=drift)
         text += "\n" + format_other("with this run's own factors, steady", predict_run(
             dataclasses.replace(own, drift=None), shape, sent, rate))
         text += "\n" + format_other("with this run's own factors and drift",

@@ -21,10 +21,10 @@ four runs of `distserve fidelity` in an hour, the runner off its core 3-14% of i
 calls' time: the host's own speed drifts that much).
 
 A constant factor is the mean of a speed that moves. `speeds_by_window` tells each
-window of a run against the run's factor, and `RunSpeeds.drift` makes of it the
-`SpeedDrift` the simulator can run with: the spread of log speed across windows less
-what the windows' own batches' scatter alone would give it (the variance of a ratio of
-sums, from its iterations' residuals), and a prefill batch's spread about its window.
+window of a run against the run's factor, and `fit_drift` makes of it the `SpeedDrift`
+the simulator can run with: per phase, the spread of log speed across windows less what
+the windows' own batches' scatter alone would give it (the variance of a ratio of sums,
+from its iterations' residuals), and a prefill batch's spread about its window.
 NOTE: decode steps follow each other closely, so their residuals are not independent
 and a decode window's noise is underestimated: its drift reads high, if anything.
 """
@@ -51,6 +51,12 @@ from distserve_engine.instance.iterations import ITERATION_HISTORY, KINDS, Itera
 MIN_SEQUENCE_S = 1e-6  # a time per sequence below this is the fit's rounding: none
 MIN_DRIFT_WINDOWS = 3  # fewer windows of a phase tell no spread between them
 MAX_DRIFT_SD = 0.5  # of log speed: more is a broken run, not a drift to simulate
+# NOTE: each phase's drift over the shortest window that holds enough of its iterations:
+# a decode step's speed moves within seconds (on SmolLM2, 8% in sd over 2 s windows,
+# 5% over 30 s: slower while a prefill runs beside it, and more), which is what spreads
+# TPOT over requests; a prefill batch takes ~0.5 s, so prefill's windows are longer
+PREFILL_DRIFT_WINDOW_S = 30.0
+DECODE_DRIFT_WINDOW_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -165,20 +171,15 @@ class RunSpeeds:
     phase_to_noise: dict[str, list[float]]
     prefill_batch_sd: float  # of a prefill batch's log time around its window's speed
 
-    def drift(self, seed: int = 0) -> SpeedDrift:
-        """The drift the simulator runs with: per phase, the spread of log speed across
-        windows less what the windows' noise accounts for (none with fewer than
-        MIN_DRIFT_WINDOWS windows)."""
-        def between_sd(phase: str) -> float:
-            speeds = self.phase_to_speeds.get(phase, [])
-            if len(speeds) < MIN_DRIFT_WINDOWS:
-                return 0.0
-            spread = float(np.var(np.log(speeds), ddof=1))
-            return min(MAX_DRIFT_SD, math.sqrt(max(0.0, spread - float(np.mean(
-                self.phase_to_noise[phase])))))
-
-        return SpeedDrift(self.window_s, between_sd("prefill"), between_sd("decode"),
-                          min(MAX_DRIFT_SD, self.prefill_batch_sd), seed)
+    def between_sd(self, phase: str) -> float:
+        """The phase's drift: the spread (sd) of log speed across windows less what the
+        windows' noise accounts for (0 with fewer than MIN_DRIFT_WINDOWS windows)."""
+        speeds = self.phase_to_speeds.get(phase, [])
+        if len(speeds) < MIN_DRIFT_WINDOWS:
+            return 0.0
+        spread = float(np.var(np.log(speeds), ddof=1))
+        noise = float(np.mean(self.phase_to_noise[phase]))
+        return min(MAX_DRIFT_SD, math.sqrt(max(0.0, spread - noise)))
 
     def describe(self) -> str:
         """e.g. "prefill x0.95-1.06 (10 windows), decode x0.93-1.11 (10 windows)"."""
@@ -224,6 +225,20 @@ def speeds_by_window(ctx: SearchContext, shape: LocalShape,
         weights, logs = np.array(prefill_residuals).T
         batch_sd = math.sqrt(float(np.sum(weights * logs ** 2) / np.sum(weights)))
     return RunSpeeds(window_s, phase_to_speeds, phase_to_noise, batch_sd)
+
+
+def fit_drift(ctx: SearchContext, shape: LocalShape,
+              name_to_iterations: Mapping[str, list[Iteration]], run_fit: IterationFit,
+              started_s: float, ended_s: float, min_iterations: int) -> SpeedDrift:
+    """The drift the simulator runs with, of the iterations from started_s on: prefill's
+    over PREFILL_DRIFT_WINDOW_S windows with a batch's spread about its window, decode's
+    over DECODE_DRIFT_WINDOW_S windows (`speeds_by_window`)."""
+    prefill, decode = (speeds_by_window(ctx, shape, name_to_iterations, run_fit, started_s,
+                                        ended_s, window_s, min_iterations)
+                       for window_s in (PREFILL_DRIFT_WINDOW_S, DECODE_DRIFT_WINDOW_S))
+    return SpeedDrift(PREFILL_DRIFT_WINDOW_S, prefill.between_sd("prefill"),
+                      DECODE_DRIFT_WINDOW_S, decode.between_sd("decode"),
+                      min(MAX_DRIFT_SD, prefill.prefill_batch_sd))
 
 
 def _between(name_to_iterations: Mapping[str, Iterable[Iteration]], started_s: float,

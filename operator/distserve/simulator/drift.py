@@ -1,16 +1,16 @@
 """A host's speed that moves while it serves, for the simulator to run with.
 
 A latency profile and a correction give each batch one time. A real runner's time for
-the same batch moves: from one stretch of a minute to the next (on this project's CPU
-hosts by x0.95-1.06 per 30 s window against the run's own factor), and from one batch to
-the next. Near the knee that matters more than its mean: a slow stretch builds a queue
+the same batch moves: from one stretch to the next (on this project's CPU hosts by
+x0.95-1.06 per 30 s window against the run's own factor; a decode step's speed over 2 s
+by 8% in sd: while a prefill runs beside it, and more), and from one batch to the next. Near the knee that matters more than its mean: a slow stretch builds a queue
 that a fast one does not drain as much, so a constant speed predicts tails that are too
 narrow and an attainment that is too high (`distserve fidelity`: 3-3.5 points on two
 colocated instances with a run's own factors).
 
-`SpeedDrift` says how much the speed moves (what `local.calibration.drift_of` measures
+`SpeedDrift` says how much the speed moves (what `local.calibration.fit_drift` measures
 of a run's iterations) and `SpeedTrack` draws one history of it: each phase's speed
-constant over windows of `window_s`, log-normal across windows with mean 1 (the
+constant over windows of its own length, log-normal across windows with mean 1 (the
 correction keeps the mean, the drift only spreads it), and each prefill batch's time
 further spread around its window's speed. Decode has no per-step term: a request's TPOT
 averages hundreds of steps, and the simulator steps decode batches in closed form.
@@ -33,15 +33,17 @@ from distserve.simulator.timing import InstanceModel, StageTimer
 class SpeedDrift:
     """How far a host's speed moves: the standard deviations of log speed."""
 
-    window_s: float  # the speed holds over windows this long
+    prefill_window_s: float  # prefill's speed holds over windows this long
     prefill_sd: float  # of a window's prefill speed across windows
+    decode_window_s: float  # decode's speed holds over windows this long
     decode_sd: float  # of a window's decode speed across windows
     prefill_batch_sd: float = 0.0  # of a prefill batch's time around its window's
     seed: int = 0  # which history a trial draws
 
     def __post_init__(self) -> None:
-        if not self.window_s > 0:
-            raise ValueError(f"window_s must be > 0, got {self.window_s}")
+        for name in ("prefill_window_s", "decode_window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("prefill_sd", "decode_sd", "prefill_batch_sd"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -53,9 +55,10 @@ class SpeedDrift:
         return self.prefill_sd == self.decode_sd == self.prefill_batch_sd == 0.0
 
     def describe(self) -> str:
-        """e.g. "per 30 s window prefill 2.1%, decode 3.0%; a prefill batch 6.5%"."""
-        return (f"per {self.window_s:g} s window prefill {self.prefill_sd:.1%}, decode "
-                f"{self.decode_sd:.1%}; a prefill batch {self.prefill_batch_sd:.1%}")
+        """e.g. "prefill 2.1% per 30 s window, a batch 6.5%; decode 7.0% per 2 s window"."""
+        return (f"prefill {self.prefill_sd:.1%} per {self.prefill_window_s:g} s window, a batch "
+                f"{self.prefill_batch_sd:.1%}; decode {self.decode_sd:.1%} per "
+                f"{self.decode_window_s:g} s window")
 
 
 class SpeedTrack:
@@ -63,36 +66,48 @@ class SpeedTrack:
     The windows and the batches draw from streams of their own, so that a seed gives
     the same windows whatever batches the trial runs."""
 
-    __slots__ = ("drift", "_window_rng", "_batch_rng", "_offset_s", "_windows")
+    __slots__ = ("drift", "_prefill", "_decode", "_batch_rng")
 
     def __init__(self, drift: SpeedDrift) -> None:
         self.drift = drift
-        self._window_rng = np.random.default_rng([drift.seed, 0])
-        self._batch_rng = np.random.default_rng([drift.seed, 1])
-        # NOTE: the windows start at a random phase: a trial's first arrival is no
-        # more the start of a stretch than any other moment
-        self._offset_s = float(self._window_rng.uniform(0.0, drift.window_s))
-        self._windows: list[tuple[float, float]] = []  # (prefill, decode) per window
+        self._prefill = _Windows(drift.prefill_window_s, drift.prefill_sd, [drift.seed, 0])
+        self._decode = _Windows(drift.decode_window_s, drift.decode_sd, [drift.seed, 1])
+        self._batch_rng = np.random.default_rng([drift.seed, 2])
 
     def window_at(self, now_s: float) -> tuple[float, float]:
-        """(prefill, decode) speed multipliers of the window that holds now_s."""
-        index = max(0, int((now_s + self._offset_s) // self.drift.window_s))
-        drift = self.drift
-        while len(self._windows) <= index:
-            z_prefill, z_decode = self._window_rng.standard_normal(2)
-            self._windows.append((_mean_one(drift.prefill_sd, z_prefill),
-                                  _mean_one(drift.decode_sd, z_decode)))
-        return self._windows[index]
+        """(prefill, decode) speed multipliers of the windows that hold now_s."""
+        return self._prefill.at(now_s), self._decode.at(now_s)
 
     def prefill_at(self, now_s: float) -> float:
         """The multiplier on a prefill batch that starts at now_s (drawn afresh per batch)."""
         sd = self.drift.prefill_batch_sd
         batch = _mean_one(sd, self._batch_rng.standard_normal()) if sd else 1.0
-        return self.window_at(now_s)[0] * batch
+        return self._prefill.at(now_s) * batch
 
     def decode_at(self, now_s: float) -> float:
         """The multiplier on decode steps run from now_s."""
-        return self.window_at(now_s)[1]
+        return self._decode.at(now_s)
+
+
+class _Windows:
+    """One phase's speed per window, drawn as the clock reaches each window."""
+
+    __slots__ = ("window_s", "sd", "_rng", "_offset_s", "_speeds")
+
+    def __init__(self, window_s: float, sd: float, seed: list[int]) -> None:
+        self.window_s = window_s
+        self.sd = sd
+        self._rng = np.random.default_rng(seed)
+        # NOTE: the windows start at a random phase: a trial's first arrival is no
+        # more the start of a stretch than any other moment
+        self._offset_s = float(self._rng.uniform(0.0, window_s))
+        self._speeds: list[float] = []
+
+    def at(self, now_s: float) -> float:
+        index = max(0, int((now_s + self._offset_s) // self.window_s))
+        while len(self._speeds) <= index:
+            self._speeds.append(_mean_one(self.sd, self._rng.standard_normal()))
+        return self._speeds[index]
 
 
 def _mean_one(sd: float, z: float) -> float:
