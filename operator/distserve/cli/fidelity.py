@@ -9,7 +9,9 @@ decode instances, then `--colocated N` colocated instances (the baseline). Per d
    correction the simulator runs with. The profile times a bare runner; serving shares
    its cores with HTTP threads, KV exports, the router and the clients. Each later rate
    is predicted with the factors of the run just before it (the calibration, then the
-   previous rate): this machine's speed drifts by ~10% within minutes.
+   previous rate): this machine's speed drifts by ~10% within minutes. How far it moved
+   within that run is fitted too (`calibration.fit_drift`), and each prediction is the
+   median over DRIFT_DRAWS histories of that drift, their range printed beside it.
 2. The knee: the highest rate at which the simulator meets the SLO target in steady state,
    judged on KNEE_TRACE_REQUESTS requests (a short trace scaled to a high rate is one
    burst that drains, not a rate the deployment sustains).
@@ -339,8 +341,8 @@ def _report(spec, shape, trace, row: tuple, draws, ctx, profiled, factors_from: 
                                      predict_run(profiled, shape, sent, rate))
     text += f"\n  this run's iterations against the profile: {run_fit.describe()}"
     if speeds.phase_to_speeds and max(len(v) for v in speeds.phase_to_speeds.values()) > 1:
-        text += (f"\n  this run's speed per {SPEED_WINDOW_S:g} s window, against its own factors: "
-                 f"{speeds.describe()}")
+        text += (f"\n  this run's speed per {speeds.window_s:g} s window, against its own "
+                 f"factors: {speeds.describe()}")
     text += f"\n  this run's drift: {drift.describe()}"
     own = None
     if all(fit.num_iterations for fit in run_fit.phases):
@@ -358,8 +360,8 @@ def _report_in_run(spec, shape, trace, row: tuple, outcomes, ctx, profiled, firs
     simulator's figures with the factors of the iterations the instances ran while those
     first ones arrived (the whole trace simulated, so that they queue ahead of the rest):
     a prediction with the runners' speed of that very run, as the analyzer corrects its
-    model from the window it observes (and ctx's drift: those few windows tell none).
-    Nothing where a phase ran no iteration then."""
+    model from the window it observes (with ctx's drift, the one the prediction before
+    ran with). Nothing where a phase ran no iteration then."""
     from distserve.local.prediction import predict_run, requests_of
     from distserve.local.report import format_comparison, summarize
 

@@ -2,19 +2,23 @@
 
 A latency profile and a correction give each batch one time. A real runner's time for
 the same batch moves: from one stretch to the next (on this project's CPU hosts by
-x0.95-1.06 per 30 s window against the run's own factor; a decode step's speed over 2 s
-by 8% in sd: while a prefill runs beside it, and more), and from one batch to the next. Near the knee that matters more than its mean: a slow stretch builds a queue
-that a fast one does not drain as much, so a constant speed predicts tails that are too
-narrow and an attainment that is too high (`distserve fidelity`: 3-3.5 points on two
-colocated instances with a run's own factors).
+x0.95-1.06 per 30 s window against the run's own factor; a decode step's speed by 8% in
+sd over 2 s windows, slower while a prefill runs beside it, and more), and from one
+batch to the next. A constant speed predicts one figure where replays of the same
+requests differ (near the knee by several points of attainment), and tails too narrow:
+TPOT over requests spreads with the speed of the seconds each request decodes in (1P+1D
+on SmolLM2, 300 requests at 1.6 req/s simulated with the run's own factors: TPOT p90
+0.037 s steady, 0.039 s with decode drifting over 2 s windows, 0.040 s measured).
 
 `SpeedDrift` says how much the speed moves (what `local.calibration.fit_drift` measures
 of a run's iterations) and `SpeedTrack` draws one history of it: each phase's speed
 constant over windows of its own length, log-normal across windows with mean 1 (the
 correction keeps the mean, the drift only spreads it), and each prefill batch's time
 further spread around its window's speed. Decode has no per-step term: a request's TPOT
-averages hundreds of steps, and the simulator steps decode batches in closed form.
-The windows are shared by every instance of a trial: the host drifts as one.
+averages tens to hundreds of steps, and the simulator steps decode batches in closed
+form (a decode batch takes the speed of the moment its membership last changed, several
+times a second at serving rates). The windows are shared by every instance of a trial:
+the host drifts as one.
 `DriftingTimer` puts a track under a `StageTimer` for one trial.
 """
 
