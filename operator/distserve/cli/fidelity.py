@@ -63,7 +63,6 @@ CALIBRATION_KNEE_FACTOR = 0.5  # calibrate below the knee: iterations, not queue
 DEFAULT_COLOCATED = 2
 WARMUP_REQUESTS = 2  # first requests of a fresh process pay one-time costs: not measured
 SPEED_WINDOW_S = 30.0  # a run's speed is told apart over windows this long
-MIN_WINDOW_ITERATIONS = 10  # a phase's window with fewer iterations tells no speed
 
 
 def add_arguments(parser) -> None:
@@ -263,8 +262,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             ended_s = time.time()
             name_to_items = iterations_since(started_s)
             fit = fit_between(name_to_items, started_s)
-            drift = fit_drift(profiled, shape, name_to_items, fit, started_s, ended_s,
-                              MIN_WINDOW_ITERATIONS)
+            drift = fit_drift(profiled, shape, name_to_items, fit, started_s, ended_s)
             ctx = dataclasses.replace(profiled, correction=fit.correction, drift=drift)
             _say(f"\n{shape.describe()}: calibration, {calibration.num_requests} requests of another "
                  f"sample at {rate:g} req/s; the runner's iterations against the profile's time "
@@ -299,9 +297,8 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                 name_to_items = iterations_since(started_s)
                 run_fit = fit_between(name_to_items, started_s)
                 speeds = speeds_by_window(profiled, shape, name_to_items, run_fit, started_s,
-                                          ended_s, SPEED_WINDOW_S, MIN_WINDOW_ITERATIONS)
-                drift = fit_drift(profiled, shape, name_to_items, run_fit, started_s, ended_s,
-                                  MIN_WINDOW_ITERATIONS)
+                                          ended_s, SPEED_WINDOW_S)
+                drift = fit_drift(profiled, shape, name_to_items, run_fit, started_s, ended_s)
                 own = _report(spec, shape, trace, row, draws, ctx, profiled, factors_from,
                               run_fit, speeds, drift)
                 if trace.num_requests >= 2 * IN_RUN_REQUESTS:

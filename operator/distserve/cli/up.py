@@ -227,38 +227,51 @@ def _demo(args, spec, plan, launcher, source) -> int:
                 if r.prompt_tokens + r.output_tokens <= max_len]
     _log(f"demo: {len(requests)} requests at {rate_rps:.2f} req/s (Poisson), "
          f"SLOs TTFT <= {spec.slo.ttft_seconds} s, TPOT <= {spec.slo.tpot_seconds} s")
+    started_s = time.time()
     outcomes = asyncio.run(drive(launcher.url, spec.model.name, requests, seed=spec.planner.seed))
+    ended_s = time.time()
     summary = summarize(outcomes, rate_rps, spec.slo.ttft_seconds, spec.slo.tpot_seconds)
     predicted = _predicted(spec, launcher.settings, requests, rate_rps)
     print(format_summary(summary, plan, spec.slo.attainment, predicted))
     if predicted is not None:
         print(f"  predicted with profile {source.describe()}")
-        _print_own_factors(spec, launcher, requests, rate_rps)
+        _print_own_factors(spec, launcher, requests, rate_rps, started_s, ended_s)
     return 0
 
 
-def _print_own_factors(spec, launcher, requests, rate_rps: float) -> None:
+def _print_own_factors(spec, launcher, requests, rate_rps: float, started_s: float,
+                       ended_s: float) -> None:
     """The demo's iterations against the profile, and the simulator's figures with those
-    factors: how much of a gap is the latency model's (said why when unavailable)."""
+    factors, steady and with the speed's drift over the demo (`calibration.fit_drift`):
+    how much of a gap is the latency model's (said why when unavailable)."""
     import dataclasses
 
     import httpx
 
-    from distserve.local.calibration import fetch_iterations, fit_iterations
-    from distserve.local.prediction import LocalShape, engine_context, predict_run
+    from distserve.local.calibration import fetch_iterations, fit_drift, fit_iterations
+    from distserve.local.prediction import DRIFT_DRAWS, LocalShape, engine_context, predict_run
     from distserve.local.report import format_other
     from distserve.search import build_context
 
     try:
         ctx = engine_context(build_context(spec), launcher.settings)
         shape = LocalShape.from_settings(launcher.settings)
-        fit = fit_iterations(ctx, shape, fetch_iterations(launcher))
-        own = predict_run(dataclasses.replace(ctx, correction=fit.correction), shape, requests, rate_rps)
+        name_to_items = fetch_iterations(launcher)
+        fit = fit_iterations(ctx, shape, name_to_items)
+        own = dataclasses.replace(ctx, correction=fit.correction)
+        drift = fit_drift(ctx, shape, name_to_items, fit, started_s, ended_s)
+        steady = predict_run(own, shape, requests, rate_rps)
+        drifting = (None if drift.is_still else
+                    predict_run(dataclasses.replace(own, drift=drift), shape, requests, rate_rps))
     except (ValueError, httpx.HTTPError) as err:
         _log(f"demo: the instances' iterations not read ({err})")
         return
     print(f"  the runners' iterations against the profile: {fit.describe()}")
-    print(format_other("simulated with these factors", own))
+    print(format_other("simulated with these factors", steady))
+    print(f"  the speed's drift over the demo: {drift.describe()}")
+    if drifting is not None:
+        print(format_other("simulated with these factors and drift (the median of "
+                           f"{DRIFT_DRAWS} histories)", drifting))
 
 
 def _predicted(spec, settings: ServeSettings, requests, rate_rps: float):

@@ -49,6 +49,7 @@ from distserve.simulator import SpeedDrift
 from distserve_engine.instance.iterations import ITERATION_HISTORY, KINDS, Iteration
 
 MIN_SEQUENCE_S = 1e-6  # a time per sequence below this is the fit's rounding: none
+MIN_WINDOW_ITERATIONS = 10  # a phase's window with fewer iterations tells no speed
 MIN_DRIFT_WINDOWS = 3  # fewer windows of a phase tell no spread between them
 MAX_DRIFT_SD = 0.5  # of log speed: more is a broken run, not a drift to simulate
 # NOTE: each phase's drift over the shortest window that holds enough of its iterations:
@@ -190,7 +191,7 @@ class RunSpeeds:
 def speeds_by_window(ctx: SearchContext, shape: LocalShape,
                      name_to_iterations: Mapping[str, list[Iteration]], run_fit: IterationFit,
                      started_s: float, ended_s: float, window_s: float,
-                     min_iterations: int) -> RunSpeeds:
+                     min_iterations: int = MIN_WINDOW_ITERATIONS) -> RunSpeeds:
     """Each window's speed against run_fit (the fit of the iterations from started_s on),
     in windows of window_s (the last one takes the rest, past ended_s too), leaving out a
     phase's windows of fewer than min_iterations iterations: how far the runners' speed
@@ -229,7 +230,8 @@ def speeds_by_window(ctx: SearchContext, shape: LocalShape,
 
 def fit_drift(ctx: SearchContext, shape: LocalShape,
               name_to_iterations: Mapping[str, list[Iteration]], run_fit: IterationFit,
-              started_s: float, ended_s: float, min_iterations: int) -> SpeedDrift:
+              started_s: float, ended_s: float,
+              min_iterations: int = MIN_WINDOW_ITERATIONS) -> SpeedDrift:
     """The drift the simulator runs with, of the iterations from started_s on: prefill's
     over PREFILL_DRIFT_WINDOW_S windows with a batch's spread about its window, decode's
     over DECODE_DRIFT_WINDOW_S windows (`speeds_by_window`)."""
