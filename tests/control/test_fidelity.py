@@ -54,13 +54,23 @@ def test_one_trace_at_three_rates_around_the_knee_measured_beside_simulated(num_
     for rate, sent in zip(rates, replays, strict=True):  # the same requests, arrivals scaled
         assert [r.prompt_tokens for r in sent] == trace.prompt_tokens.tolist()
         assert np.allclose([r.arrival_s for r in sent], trace.arrival_s / rate)
-    blocks = out.split("\n\n")[-1].split(" req/s: ")[1:]
+    body, tally = out.split("\n\n")[-2:]
+    blocks = body.split(" req/s: ")[1:]
     assert len(blocks) == 3
     for block in blocks:
         for figure in ("attainment", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90"):
             (line,) = [line for line in block.splitlines() if line.strip().startswith(figure)]
             assert "measured" in line and "simulated" in line and "load " in line
         assert "TTFT p50    measured   1.000 s" in block
+    # the last line counts the verdicts of the blocks above it
+    verdicts = re.findall(r"^  (attainment|TTFT p\d\d|TPOT p\d\d) .*  (within|outside) ", body, re.M)
+    met = [label for label, verdict in verdicts if verdict == "within"]
+    assert len(verdicts) == 15
+    assert tally.startswith(f"{'2 colocated' if num_colocated else '1 prefill + 1 decode'}: "
+                            "the simulator within the goal (2 pt, 10%) for attainment at "
+                            f"{met.count('attainment')} of 3 runs and for "
+                            f"{len(met) - met.count('attainment')} of 12 percentiles (TTFT p50 "
+                            f"{met.count('TTFT p50')}, TTFT p90 {met.count('TTFT p90')}, ")
 
 
 def test_a_request_that_failed_is_named_with_its_error_not_only_counted(capsys):

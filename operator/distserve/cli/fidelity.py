@@ -19,14 +19,17 @@ decode instances, then `--colocated N` colocated instances (the baseline). Per d
    Beside each measured figure (attainment, TTFT and TPOT p50 and p90) it prints the
    simulator's for the same requests at the same times, the gap, whether the gap is within
    the goal (attainment within 2 points, percentiles within 10%), the simulator's
-   figures with the profile as measured and with the run's own iteration factors (the
-   latency model's error told from the rest; each with the count of prefill iterations
+   figures with the profile as measured and with the run's own iteration factors, at a
+   steady speed and with the run's drift (the latency model's error told from the rest,
+   and what the drift moves; each with the count of prefill iterations
    the simulator ran, to set against the instances' own: the same policy forms the same
    batches), and the 1-minute load average over the run. Then the same comparison over
    the run's requests after its first IN_RUN_REQUESTS, simulated with the factors of
    the iterations the instances ran while those first ones arrived: the runners' speed
    of that very run, as the analyzer corrects its model online from what it observes.
-4. `--repeat N`: each rate is replayed N times in a row (after a calibration, each
+4. Per deployment, a last line counts the runs whose figures the simulator met within
+   the goal, figure by figure (`report.format_tally`).
+5. `--repeat N`: each rate is replayed N times in a row (after a calibration, each
    predicted with the factors of the run before it), then the replays side by side: how
    far apart the measured figures of the same requests at the same times lie, and
    whether one figure could be within the goal of every replay. Where the deployment
@@ -219,7 +222,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     )
     from distserve.local.launcher import LocalLauncher
     from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context, predicted_knee_rps
-    from distserve.local.report import format_replays
+    from distserve.local.report import format_replays, format_tally
     from distserve.local.settings import instance_counts, instance_parallel, serve_settings
     from distserve.search import build_context
     from distserve_engine.instance.iterations import ITERATION_HISTORY
@@ -309,6 +312,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                     ctx, factors_from = own, f"the run at {rate:g} req/s"
             if repeat > 1:
                 _say("\n" + format_replays(shape.describe(), rate, replays))
+    _say("\n" + format_tally(shape.describe(), [(row[1], row[2]) for row in rows]))
     return rows
 
 

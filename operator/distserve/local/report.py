@@ -120,17 +120,42 @@ def format_comparison(what: str, rate: float, measured, predicted, load: tuple[f
              f"{measured.num_errors} errors (simulated {predicted.num_errors} refused or "
              f"unfinished); {load_text}; gap: simulated less measured"]
     gap = (predicted.attainment - measured.attainment) * 100  # simulated - measured
-    within = abs(gap) <= GOAL_ATTAINMENT_PT
+    label_to_within = goals_met(measured, predicted)
+    within = label_to_within["attainment"]
     lines.append(f"  attainment  measured {measured.attainment:6.1%}  simulated {predicted.attainment:6.1%}"
                  f"  gap {gap:+5.1f} pt  {'within' if within else 'outside'} {GOAL_ATTAINMENT_PT:g} pt   "
                  f"[{load_text}] (target {target:.0%})")
     for label, field, p in GOAL_PERCENTILES:
         m, s = getattr(measured, field)[p], getattr(predicted, field)[p]
         rel = (s - m) / m if m else float("nan")  # simulated relative to measured
-        verdict = "within" if abs(rel) <= GOAL_PERCENTILE_REL else "outside"
+        verdict = "within" if label_to_within[label] else "outside"
         lines.append(f"  {label}    measured {m:7.3f} s simulated {s:7.3f} s  gap {rel:+6.1%}   "
                      f"{verdict} {GOAL_PERCENTILE_REL:.0%}   [{load_text}]")
     return "\n".join(lines)
+
+
+def goals_met(measured: RunSummary, predicted: RunSummary) -> dict[str, bool]:
+    """{"attainment", then each of GOAL_PERCENTILES' labels: whether the simulated figure
+    is within the goal of the measured one}."""
+    out = {"attainment": abs(predicted.attainment - measured.attainment) * 100
+           <= GOAL_ATTAINMENT_PT}
+    for label, field, p in GOAL_PERCENTILES:
+        m, s = getattr(measured, field)[p], getattr(predicted, field)[p]
+        out[label] = bool(m) and abs(s - m) / m <= GOAL_PERCENTILE_REL
+    return out
+
+
+def format_tally(what: str, pairs: list[tuple[RunSummary, RunSummary]]) -> str:
+    """How many runs' figures the simulator met the goal for, figure by figure, over
+    (measured, predicted) pairs: the comparison's verdict in one line."""
+    verdicts = [goals_met(m, p) for m, p in pairs]
+    labels = list(verdicts[0]) if verdicts else []
+    counts = {label: sum(v[label] for v in verdicts) for label in labels}
+    percentiles = sum(counts[label] for label in labels[1:])
+    return (f"{what}: the simulator within the goal ({GOAL_ATTAINMENT_PT:g} pt, "
+            f"{GOAL_PERCENTILE_REL:.0%}) for attainment at {counts.get('attainment', 0)} of "
+            f"{len(pairs)} runs and for {percentiles} of {len(pairs) * (len(labels) - 1)} "
+            "percentiles (" + ", ".join(f"{label} {counts[label]}" for label in labels[1:]) + ")")
 
 
 def format_replays(what: str, rate: float, replays: list[tuple[RunSummary, RunSummary]]) -> str:
