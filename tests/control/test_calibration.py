@@ -177,7 +177,7 @@ def test_batches_that_scatter_alike_in_every_window_are_a_batch_spread_not_a_dri
     # x1.2 and x1.8 about the windows' x1.5: +-0.2 in log
     assert 0.15 < speeds.prefill_batch_sd < 0.3
     # fit_drift: prefill over 30 s windows, decode over 2 s ones (none ran here)
-    drift = fit_drift(ctx, shape, name_to_items, run_fit, 1000.0, 1120.0, 4)
+    drift, _ = fit_drift(ctx, shape, name_to_items, run_fit, 1000.0, 1120.0, 4)
     assert (drift.prefill_window_s, drift.decode_window_s) == (PREFILL_DRIFT_WINDOW_S,
                                                                DECODE_DRIFT_WINDOW_S)
     assert (drift.prefill_sd, drift.decode_sd) == (0.0, 0.0)

@@ -65,7 +65,6 @@ IN_RUN_REQUESTS = 100  # a run's first requests whose iterations predict the res
 CALIBRATION_KNEE_FACTOR = 0.5  # calibrate below the knee: iterations, not queues, are fitted
 DEFAULT_COLOCATED = 2
 WARMUP_REQUESTS = 2  # first requests of a fresh process pay one-time costs: not measured
-SPEED_WINDOW_S = 30.0  # a run's speed is told apart over windows this long
 
 
 def add_arguments(parser) -> None:
@@ -214,12 +213,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     drive_fn(url, requests) -> outcomes, launch(settings, port) -> a context manager with
     .url, and iterations_fn(launcher) -> {instance name: [Iteration]} replace the HTTP load
     generator, the processes and the instances' /debug/iterations (tests)."""
-    from distserve.local.calibration import (
-        fetch_iterations,
-        fit_drift,
-        fit_window,
-        speeds_by_window,
-    )
+    from distserve.local.calibration import fetch_iterations, fit_drift, fit_window
     from distserve.local.launcher import LocalLauncher
     from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context, predicted_knee_rps
     from distserve.local.report import format_replays, format_tally
@@ -265,7 +259,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             ended_s = time.time()
             name_to_items = iterations_since(started_s)
             fit = fit_between(name_to_items, started_s)
-            drift = fit_drift(profiled, shape, name_to_items, fit, started_s, ended_s)
+            drift, _ = fit_drift(profiled, shape, name_to_items, fit, started_s, ended_s)
             ctx = dataclasses.replace(profiled, correction=fit.correction, drift=drift)
             _say(f"\n{shape.describe()}: calibration, {calibration.num_requests} requests of another "
                  f"sample at {rate:g} req/s; the runner's iterations against the profile's time "
@@ -299,9 +293,8 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                     _say(f"\nreplay {replay + 1} of {repeat} at {rate:g} req/s")
                 name_to_items = iterations_since(started_s)
                 run_fit = fit_between(name_to_items, started_s)
-                speeds = speeds_by_window(profiled, shape, name_to_items, run_fit, started_s,
-                                          ended_s, SPEED_WINDOW_S)
-                drift = fit_drift(profiled, shape, name_to_items, run_fit, started_s, ended_s)
+                drift, speeds = fit_drift(profiled, shape, name_to_items, run_fit, started_s,
+                                          ended_s)
                 own = _report(spec, shape, trace, row, draws, ctx, profiled, factors_from,
                               run_fit, speeds, drift)
                 if trace.num_requests >= 2 * IN_RUN_REQUESTS:

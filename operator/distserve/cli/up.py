@@ -259,7 +259,7 @@ def _print_own_factors(spec, launcher, requests, rate_rps: float, started_s: flo
         name_to_items = fetch_iterations(launcher)
         fit = fit_iterations(ctx, shape, name_to_items)
         own = dataclasses.replace(ctx, correction=fit.correction)
-        drift = fit_drift(ctx, shape, name_to_items, fit, started_s, ended_s)
+        drift, _ = fit_drift(ctx, shape, name_to_items, fit, started_s, ended_s)
         steady = predict_run(own, shape, requests, rate_rps)
         drifting = (None if drift.is_still else
                     predict_run(dataclasses.replace(own, drift=drift), shape, requests, rate_rps))

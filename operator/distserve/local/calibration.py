@@ -32,7 +32,6 @@ and a decode window's noise is underestimated: its drift reads high, if anything
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -198,21 +197,23 @@ def speeds_by_window(ctx: SearchContext, shape: LocalShape,
     moved within a run that one constant factor stands for, and how much of that the
     batches' own spread makes."""
     whole = {fit.phase: fit for fit in run_fit.phases}
-    num_windows = max(1, int((ended_s - started_s) // window_s))
-    edges = [started_s + k * window_s for k in range(num_windows)] + [math.inf]
+    last_window = max(1, int((ended_s - started_s) // window_s)) - 1
     phase_to_speeds: dict[str, list[float]] = {}
     phase_to_noise: dict[str, list[float]] = {}
     prefill_residuals: list[tuple[float, float]] = []  # (modelled s, log of measured/window's)
-    for lo, hi in itertools.pairwise(edges):
-        in_window = _profiled_pairs(ctx, shape, _between(name_to_iterations, lo, hi))
-        for phase, pairs in in_window.items():
-            pairs = [(item, p) for item, p in pairs if p > 0]
-            if len(pairs) < min_iterations:
+    run = _profiled_pairs(ctx, shape, _between(name_to_iterations, started_s, math.inf))
+    for phase, pairs in run.items():
+        fit = whole[phase]
+        window_to_pairs: dict[int, list[tuple[float, float]]] = {}  # (measured s, modelled s)
+        for item, p in pairs:
+            if p > 0:
+                window = min(int((item.started_s - started_s) // window_s), last_window)
+                window_to_pairs.setdefault(window, []).append(
+                    (item.busy_s, fit.factor * p + fit.sequence_s * len(item.lens)))
+        for window in sorted(window_to_pairs):
+            if len(window_to_pairs[window]) < min_iterations:
                 continue
-            fit = whole[phase]
-            modelled = np.array([fit.factor * p + fit.sequence_s * len(item.lens)
-                                 for item, p in pairs])
-            measured = np.array([item.busy_s for item, _ in pairs])
+            measured, modelled = np.array(window_to_pairs[window]).T
             speed = measured.sum() / modelled.sum()
             # the ratio of sums' own variance, from its iterations' spread about it
             noise = float(np.sum((measured - speed * modelled) ** 2)) / modelled.sum() ** 2
@@ -231,16 +232,18 @@ def speeds_by_window(ctx: SearchContext, shape: LocalShape,
 def fit_drift(ctx: SearchContext, shape: LocalShape,
               name_to_iterations: Mapping[str, list[Iteration]], run_fit: IterationFit,
               started_s: float, ended_s: float,
-              min_iterations: int = MIN_WINDOW_ITERATIONS) -> SpeedDrift:
+              min_iterations: int = MIN_WINDOW_ITERATIONS) -> tuple[SpeedDrift, RunSpeeds]:
     """The drift the simulator runs with, of the iterations from started_s on: prefill's
     over PREFILL_DRIFT_WINDOW_S windows with a batch's spread about its window, decode's
-    over DECODE_DRIFT_WINDOW_S windows (`speeds_by_window`)."""
+    over DECODE_DRIFT_WINDOW_S windows (`speeds_by_window`); and the run's speeds over
+    the prefill windows (both phases), which say what one constant factor stands for."""
     prefill, decode = (speeds_by_window(ctx, shape, name_to_iterations, run_fit, started_s,
                                         ended_s, window_s, min_iterations)
                        for window_s in (PREFILL_DRIFT_WINDOW_S, DECODE_DRIFT_WINDOW_S))
-    return SpeedDrift(PREFILL_DRIFT_WINDOW_S, prefill.between_sd("prefill"),
-                      DECODE_DRIFT_WINDOW_S, decode.between_sd("decode"),
-                      min(MAX_DRIFT_SD, prefill.prefill_batch_sd))
+    drift = SpeedDrift(PREFILL_DRIFT_WINDOW_S, prefill.between_sd("prefill"),
+                       DECODE_DRIFT_WINDOW_S, decode.between_sd("decode"),
+                       min(MAX_DRIFT_SD, prefill.prefill_batch_sd))
+    return drift, prefill
 
 
 def _between(name_to_iterations: Mapping[str, Iterable[Iteration]], started_s: float,

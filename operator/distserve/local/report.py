@@ -149,13 +149,15 @@ def format_tally(what: str, pairs: list[tuple[RunSummary, RunSummary]]) -> str:
     """How many runs' figures the simulator met the goal for, figure by figure, over
     (measured, predicted) pairs: the comparison's verdict in one line."""
     verdicts = [goals_met(m, p) for m, p in pairs]
-    labels = list(verdicts[0]) if verdicts else []
-    counts = {label: sum(v[label] for v in verdicts) for label in labels}
-    percentiles = sum(counts[label] for label in labels[1:])
+
+    def count(label: str) -> int:
+        return sum(v[label] for v in verdicts)
+
+    labels = [label for label, _, _ in GOAL_PERCENTILES]
     return (f"{what}: the simulator within the goal ({GOAL_ATTAINMENT_PT:g} pt, "
-            f"{GOAL_PERCENTILE_REL:.0%}) for attainment at {counts.get('attainment', 0)} of "
-            f"{len(pairs)} runs and for {percentiles} of {len(pairs) * (len(labels) - 1)} "
-            "percentiles (" + ", ".join(f"{label} {counts[label]}" for label in labels[1:]) + ")")
+            f"{GOAL_PERCENTILE_REL:.0%}) for attainment at {count('attainment')} of "
+            f"{len(pairs)} runs and for {sum(map(count, labels))} of {len(pairs) * len(labels)} "
+            "percentiles (" + ", ".join(f"{label} {count(label)}" for label in labels) + ")")
 
 
 def format_replays(what: str, rate: float, replays: list[tuple[RunSummary, RunSummary]]) -> str:

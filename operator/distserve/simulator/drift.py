@@ -123,14 +123,13 @@ class DriftingTimer:
     """A `StageTimer` whose times follow a `SpeedTrack` at the trial's clock (`loop.now`):
     the same calls, so the simulators take one where they take the other."""
 
-    __slots__ = ("timer", "track", "loop", "pp", "latency")
+    __slots__ = ("timer", "track", "loop", "pp")
 
     def __init__(self, timer: StageTimer, track: SpeedTrack, loop) -> None:
         self.timer = timer
         self.track = track
         self.loop = loop
         self.pp = timer.pp
-        self.latency = timer.latency
 
     def prefill_batch_s(self, prompt_lens: tuple[int, ...]) -> tuple[float, float]:
         """(seconds per stage, seconds of each hand-off) for a prefill batch starting now."""
