@@ -23,9 +23,11 @@ from distserve.cli.fidelity import (
     compare_deployment,
 )
 from distserve.latency import Correction
+from distserve.local import calibration
 from distserve.local.calibration import (
     DECODE_DRIFT_WINDOW_S,
     PREFILL_DRIFT_WINDOW_S,
+    _busy_within,
     fit_drift,
     fit_iterations,
     fit_window,
@@ -182,6 +184,92 @@ def test_batches_that_scatter_alike_in_every_window_are_a_batch_spread_not_a_dri
                                                                DECODE_DRIFT_WINDOW_S)
     assert (drift.prefill_sd, drift.decode_sd) == (0.0, 0.0)
     assert drift.prefill_batch_sd == pytest.approx(speeds.prefill_batch_sd)
+
+
+def test_the_time_another_instance_was_busy_is_counted_within_each_span():
+    # one thread's spans, out of order: [0, 1), [3, 5), [2, 2.5)
+    starts, ends = np.array([0.0, 3.0, 2.0]), np.array([1.0, 5.0, 2.5])
+    lo, hi = np.array([0.5, -1.0, 1.0, 2.25, 6.0]), np.array([4.0, 10.0, 2.0, 3.5, 7.0])
+    assert _busy_within(starts, ends, lo, hi) == pytest.approx([2.0, 3.5, 0.0, 0.75, 0.0])
+    assert _busy_within(np.array([]), np.array([]), lo, hi) == pytest.approx([0.0] * 5)
+
+
+def beside_each_other(ctx, slowdown: float, prefill_factor: float, decode_factor: float,
+                      with_idle_prefill: bool = True) -> dict[str, list[Iteration]]:
+    """1P+1D iterations on one host: a prefill batch every 8 s, beside a burst of decode
+    steps (and, with_idle_prefill, every other one alone), and a burst of decode steps
+    alone between them; each iteration x(1 + slowdown x the share of it the other
+    instance was busy) slower than its factor gives (found by iterating to the fixed
+    point)."""
+    def profiled(kind, lens):
+        return profiled_s(ctx, "disaggregated", Config(1, 1), Iteration(kind, 0.0, 0.0, lens))
+
+    def busy_share(other: list[Iteration], started_s: float, seconds: float) -> float:
+        starts = np.array([i.started_s for i in other])
+        ends = starts + np.array([i.seconds for i in other])
+        return float(_busy_within(starts, ends, np.array([started_s]),
+                                  np.array([started_s + seconds]))[0]) / seconds
+
+    bursts = [(8.0 * j - 0.5, 4.5) for j in range(60) if j % 2 == 0 or not with_idle_prefill]
+    bursts += [(8.0 * j + 4.6, 2.4) for j in range(60)]
+    prefill = [Iteration("prefill", 8.0 * j, prefill_factor * profiled("prefill", lens), lens)
+               for j, lens in enumerate(PREFILL_BATCHES * 15)]
+    for _ in range(4):
+        steps = []
+        for first_s, length_s in bursts:
+            t, n = first_s, 0
+            while t < first_s + length_s:
+                lens = DECODE_BATCHES[n % 4]
+                alone = decode_factor * profiled("decode", lens)
+                seconds = alone
+                for _ in range(4):
+                    seconds = alone * (1 + slowdown * busy_share(prefill, t, seconds))
+                steps.append(Iteration("decode", t, seconds, lens))
+                t, n = t + seconds, n + 1
+        prefill = [dataclasses.replace(item, seconds=prefill_factor * profiled("prefill", item.lens)
+                                       * (1 + slowdown * busy_share(steps, item.started_s,
+                                                                     item.seconds)))
+                   for item in prefill]
+    return {"prefill-0": prefill, "decode-0": steps}
+
+
+def test_a_runner_slowed_while_the_other_instance_is_busy_gives_that_slowdown():
+    _, shape, ctx = deployment(0)
+    name_to_items = beside_each_other(ctx, 0.12, 1.1, 0.9)
+    fit = fit_iterations(ctx, shape, name_to_items)
+    assert fit.is_slowdown_measured and fit.busy_slowdown == pytest.approx(0.12, abs=0.005)
+    c = fit.correction
+    assert (c.prefill_factor, c.decode_factor) == pytest.approx((1.1, 0.9), rel=0.01)
+    assert c.busy_slowdown == fit.busy_slowdown and c.decode_sequence_s < 1e-4
+    assert "each x1.12 while the other instances are busy" in fit.describe()
+    # one factor a phase would stand for the run's mix of both: prefill beside a busy
+    # decode half the time, between 1.1 and 1.1 x 1.12
+    saved = calibration.MIN_CONTRAST_ITERATIONS
+    try:
+        calibration.MIN_CONTRAST_ITERATIONS = 10 ** 9
+        mixed = fit_iterations(ctx, shape, name_to_items)
+    finally:
+        calibration.MIN_CONTRAST_ITERATIONS = saved
+    assert 1.13 < mixed.correction.prefill_factor < 1.2 and mixed.busy_slowdown == 0.0
+
+
+def test_a_run_never_apart_from_the_others_keeps_the_slowdown_told_before():
+    _, shape, ctx = deployment(0)
+    # every prefill batch beside a decode burst: prefill cannot tell; decode can
+    name_to_items = beside_each_other(ctx, 0.1, 1.1, 0.9, with_idle_prefill=False)
+    told = fit_iterations(ctx, shape, name_to_items)
+    assert told.is_slowdown_measured and told.busy_slowdown == pytest.approx(0.1, abs=0.005)
+    # decode steps all beside the prefill too: neither phase tells; the one given holds
+    busy_only = {"prefill-0": name_to_items["prefill-0"],
+                 "decode-0": [i for i in name_to_items["decode-0"]
+                              if any(p.started_s <= i.started_s
+                                     and i.started_s + i.seconds <= p.started_s + p.seconds
+                                     for p in name_to_items["prefill-0"])]}
+    kept = fit_iterations(ctx, shape, busy_only, busy_slowdown=0.1)
+    assert not kept.is_slowdown_measured and kept.busy_slowdown == 0.1
+    assert kept.correction.prefill_factor == pytest.approx(1.1, rel=0.01)
+    assert "x1.10 while the other instances are busy, as measured before" in kept.describe()
+    assert fit_iterations(ctx, shape, busy_only).busy_slowdown == 0.0
 
 
 def test_a_colocated_instance_is_fitted_per_kind_with_the_colocated_profile():

@@ -420,7 +420,8 @@ def sim_colocated_pick(instances: list[tuple[int, int]]) -> int:
     sim = sim_colocated._Sim(trace, None, max_batch_tokens=512)
     queued = []
     for i, (tokens, count) in enumerate(instances):
-        instance = sim_colocated._Instance(sim, make_model(Case("one", (10,), (2,), 1, 1000)), 8, None)
+        instance = sim_colocated._Instance(sim, i, make_model(Case("one", (10,), (2,), 1, 1000)), 8,
+                                            None)
         instance.num_outstanding_tokens, instance.num_outstanding = tokens, count
         for lane in instance.lanes:
             lane.enqueue = lambda rid, idx=i: queued.append(idx)
@@ -441,7 +442,7 @@ def test_the_simulator_counts_a_colocated_request_in_flight_until_its_last_token
     trace = make_trace(Case("two", (10, 20), (3, 2), 2, kv_tokens=1000))
     sim = sim_colocated._Sim(trace, None, max_batch_tokens=512)
     model = make_model(Case("two", (10, 20), (3, 2), 2, 1000))
-    sim.instances = [sim_colocated._Instance(sim, model, 8, None) for _ in range(2)]
+    sim.instances = [sim_colocated._Instance(sim, i, model, 8, None) for i in range(2)]
     sim.arrive(0)
     sim.arrive(1)  # the first is in flight on instance 0: the second goes to instance 1
     assert [(i.num_outstanding_tokens, i.num_outstanding) for i in sim.instances] == [(10, 1), (20, 1)]

@@ -11,7 +11,12 @@ decode instances, then `--colocated N` colocated instances (the baseline). Per d
    is predicted with the factors of the run just before it (the calibration, then the
    previous rate): this machine's speed drifts by ~10% within minutes. How far it moved
    within that run is fitted too (`calibration.fit_drift`), and each prediction is the
-   median over DRIFT_DRAWS histories of that drift, their range printed beside it.
+   median over DRIFT_DRAWS histories of that drift, their range printed beside it. The
+   runners slow each other down (they share the host): the fit tells by how much each
+   runs slower while the other instances are busy, its factors being each runner's
+   speed alone, and the simulator slows each as busy as the others are at the rate it
+   predicts (`simulator.host`); a run whose instances were never idle apart keeps the
+   slowdown told before.
 2. The knee: the highest rate at which the simulator meets the SLO target in steady state,
    judged on KNEE_TRACE_REQUESTS requests (a short trace scaled to a high rate is one
    burst that drains, not a rate the deployment sustains).
@@ -248,8 +253,11 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             return name_to_items
 
         def fit_between(name_to_items: dict, started_s: float, until_s: float = math.inf):
-            """The fit of the iterations the instances ran from started_s until until_s."""
-            return fit_window(profiled, shape, name_to_items, started_s, until_s)
+            """The fit of the iterations the instances ran from started_s until until_s
+            (with the slowdown beside busy instances the last fit told, where these
+            iterations cannot tell it)."""
+            return fit_window(profiled, shape, name_to_items, started_s, until_s,
+                              ctx.correction.busy_slowdown)
 
         if calibration is not None:
             knee_rps, _ = predicted_knee_rps(profiled, shape, knee_trace, estimate_rps)

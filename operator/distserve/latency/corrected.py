@@ -20,6 +20,7 @@ from distserve.latency.base import LatencyModel
 MIN_FACTOR = 0.25
 MAX_FACTOR = 4.0
 MAX_SEQUENCE_S = 0.1  # a decode step's time per sequence beyond this is a fit gone wrong
+MAX_BUSY_SLOWDOWN = 1.0  # twice as slow beside busy neighbours is a fit gone wrong
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class Correction:
     # with the batch and that a bare runner's profile does not time (a serving
     # instance's tokens streamed and KV imported on its core; `local.calibration`)
     decode_sequence_s: float = 0.0
+    # instances that share a host (a local deployment) each run x(1 + this x the share of
+    # the others busy), the factors being their speed alone (`local.calibration`); the
+    # latency model does not see it, the simulators do (`simulator.host`)
+    busy_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_factor", "decode_factor"):
@@ -42,28 +47,41 @@ class Correction:
         if not 0.0 <= self.decode_sequence_s <= MAX_SEQUENCE_S:
             raise ValueError(f"decode_sequence_s must be in [0, {MAX_SEQUENCE_S}], got "
                              f"{self.decode_sequence_s}")
+        if not 0.0 <= self.busy_slowdown <= MAX_BUSY_SLOWDOWN:
+            raise ValueError(f"busy_slowdown must be in [0, {MAX_BUSY_SLOWDOWN}], got "
+                             f"{self.busy_slowdown}")
 
     @property
     def is_identity(self) -> bool:
         """Whether the correction changes nothing."""
         return (self.prefill_factor == 1.0 and self.decode_factor == 1.0
-                and self.decode_sequence_s == 0.0)
+                and self.decode_sequence_s == 0.0 and self.busy_slowdown == 0.0)
 
     def describe(self) -> str:
-        """e.g. "prefill x1.02, decode x0.75 + 0.58 ms a sequence"."""
+        """e.g. "prefill x1.02, decode x0.75 + 0.58 ms a sequence, each x1.09 while the
+        others are busy"."""
         return (f"prefill x{self.prefill_factor:.2f}, decode x{self.decode_factor:.2f}"
-                f"{per_sequence_text(self.decode_sequence_s)}")
+                f"{per_sequence_text(self.decode_sequence_s)}"
+                f"{busy_slowdown_text(self.busy_slowdown)}")
 
     @staticmethod
     def clamped(prefill_factor: float, decode_factor: float,
-                decode_sequence_s: float = 0.0) -> Correction:
-        """A correction with both factors brought inside [MIN_FACTOR, MAX_FACTOR] (and the
-        time per sequence inside [0, MAX_SEQUENCE_S])."""
+                decode_sequence_s: float = 0.0, busy_slowdown: float = 0.0) -> Correction:
+        """A correction with both factors brought inside [MIN_FACTOR, MAX_FACTOR] (the
+        time per sequence inside [0, MAX_SEQUENCE_S], the slowdown inside [0,
+        MAX_BUSY_SLOWDOWN])."""
         def clamp(value: float) -> float:
             return min(MAX_FACTOR, max(MIN_FACTOR, value))
 
         return Correction(clamp(prefill_factor), clamp(decode_factor),
-                          min(MAX_SEQUENCE_S, max(0.0, decode_sequence_s)))
+                          min(MAX_SEQUENCE_S, max(0.0, decode_sequence_s)),
+                          min(MAX_BUSY_SLOWDOWN, max(0.0, busy_slowdown)))
+
+
+def busy_slowdown_text(slowdown: float) -> str:
+    """A slowdown beside busy neighbours as a suffix, ", each x1.09 while the others are
+    busy" ("" for none)."""
+    return f", each x{1 + slowdown:.2f} while the others are busy" if slowdown > 0 else ""
 
 
 def per_sequence_text(seconds: float) -> str:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from distserve.latency import Correction
-from distserve.latency.corrected import per_sequence_text
+from distserve.latency.corrected import MAX_BUSY_SLOWDOWN, per_sequence_text
 from distserve.local.prediction import LocalShape
 from distserve.local.settings import local_instance_name
 from distserve.search.candidates import Config
@@ -48,6 +48,9 @@ from distserve.simulator import SpeedDrift
 from distserve_engine.instance.iterations import ITERATION_HISTORY, KINDS, Iteration
 
 MIN_SEQUENCE_S = 1e-6  # a time per sequence below this is the fit's rounding: none
+# iterations of a phase that ran with the other instances mostly idle, and as many that
+# ran with them mostly busy, for the phase to tell how much they slow it
+MIN_CONTRAST_ITERATIONS = 20
 MIN_WINDOW_ITERATIONS = 10  # a phase's window with fewer iterations tells no speed
 MIN_DRIFT_WINDOWS = 3  # fewer windows of a phase tell no spread between them
 MAX_DRIFT_SD = 0.5  # of log speed: more is a broken run, not a drift to simulate
@@ -102,6 +105,10 @@ class IterationFit:
     """Both phases' fits and the correction they make."""
 
     phases: tuple[PhaseFit, ...]
+    # each runner's slowdown while the other instances are busy (the factors are its
+    # speed alone), and whether these iterations told it or it was given (`busy_slowdown`)
+    busy_slowdown: float = 0.0
+    is_slowdown_measured: bool = False
 
     @property
     def correction(self) -> Correction:
@@ -110,11 +117,18 @@ class IterationFit:
         prefill, decode = by.get("prefill"), by.get("decode")
         return Correction.clamped(prefill.factor if prefill else 1.0,
                                   decode.factor if decode else 1.0,
-                                  decode.sequence_s if decode else 0.0)
+                                  decode.sequence_s if decode else 0.0, self.busy_slowdown)
 
     def describe(self) -> str:
-        """Both phases in one line."""
-        return "; ".join(fit.describe() for fit in self.phases)
+        """Both phases in one line, and the slowdown beside busy instances."""
+        if self.is_slowdown_measured:
+            beside = f"x{1 + self.busy_slowdown:.2f} while the other instances are busy"
+        elif self.busy_slowdown > 0:
+            beside = (f"x{1 + self.busy_slowdown:.2f} while the other instances are busy, as "
+                      "measured before (these iterations ran too few beside idle ones to tell)")
+        else:
+            return "; ".join(fit.describe() for fit in self.phases)
+        return "; ".join(fit.describe() for fit in self.phases) + f"; each {beside}"
 
 
 def fetch_iterations(launcher) -> dict[str, list[Iteration]]:
@@ -144,19 +158,27 @@ def profiled_s(ctx: SearchContext, serving_mode: str, config: Config, item: Iter
 
 
 def fit_iterations(ctx: SearchContext, shape: LocalShape,
-                   name_to_iterations: Mapping[str, Iterable[Iteration]]) -> IterationFit:
-    """Each phase's measured over profiled time, over every instance of the shape.
-    ctx's own correction is left out: the fit is against the profile as measured.
-    A ValueError for an instance the shape does not have."""
-    kind_to_pairs = _profiled_pairs(ctx, shape, name_to_iterations)
-    return IterationFit(tuple(_phase_fit(kind, pairs) for kind, pairs in kind_to_pairs.items()))
+                   name_to_iterations: Mapping[str, Iterable[Iteration]],
+                   busy_slowdown: float = 0.0) -> IterationFit:
+    """Each phase's measured over profiled time, over every instance of the shape, with
+    the slowdown of each while the others are busy (`_fit_slowdown`; busy_slowdown, one
+    measured before, where these iterations cannot tell it), the factors being each
+    runner's speed alone. ctx's own correction is left out: the fit is against the
+    profile as measured. A ValueError for an instance the shape does not have."""
+    kind_to_timed = _profiled_pairs(ctx, shape, name_to_iterations)
+    measured = _fit_slowdown(kind_to_timed)
+    slowdown = busy_slowdown if measured is None else measured
+    return IterationFit(tuple(_phase_fit(kind, _beside_busy(timed, slowdown))
+                              for kind, timed in kind_to_timed.items()),
+                        slowdown, measured is not None)
 
 
 def fit_window(ctx: SearchContext, shape: LocalShape,
                name_to_iterations: Mapping[str, list[Iteration]], started_s: float,
-               until_s: float = math.inf) -> IterationFit:
+               until_s: float = math.inf, busy_slowdown: float = 0.0) -> IterationFit:
     """The fit of the iterations that started from started_s until until_s."""
-    return fit_iterations(ctx, shape, _between(name_to_iterations, started_s, until_s))
+    return fit_iterations(ctx, shape, _between(name_to_iterations, started_s, until_s),
+                          busy_slowdown)
 
 
 @dataclass(frozen=True)
@@ -202,10 +224,10 @@ def speeds_by_window(ctx: SearchContext, shape: LocalShape,
     phase_to_noise: dict[str, list[float]] = {}
     prefill_residuals: list[tuple[float, float]] = []  # (modelled s, log of measured/window's)
     run = _profiled_pairs(ctx, shape, _between(name_to_iterations, started_s, math.inf))
-    for phase, pairs in run.items():
+    for phase, timed in run.items():
         fit = whole[phase]
         window_to_pairs: dict[int, list[tuple[float, float]]] = {}  # (measured s, modelled s)
-        for item, p in pairs:
+        for item, p in _beside_busy(timed, run_fit.busy_slowdown):
             if p > 0:
                 window = min(int((item.started_s - started_s) // window_s), last_window)
                 window_to_pairs.setdefault(window, []).append(
@@ -254,24 +276,106 @@ def _between(name_to_iterations: Mapping[str, Iterable[Iteration]], started_s: f
 
 def _profiled_pairs(ctx: SearchContext, shape: LocalShape,
                     name_to_iterations: Mapping[str, Iterable[Iteration]],
-                    ) -> dict[str, list[tuple[Iteration, float]]]:
-    """{kind: (iteration, the profile's time for its batch)} over the shape's instances
-    (ctx's own correction left out); a ValueError for an instance the shape lacks."""
+                    ) -> dict[str, list[tuple[Iteration, float, float]]]:
+    """{kind: (iteration, the profile's time for its batch, the share of its time the
+    other instances were busy)} over the shape's instances (ctx's own correction left
+    out); a ValueError for an instance the shape lacks."""
     bare = dataclasses.replace(ctx, correction=Correction(), drift=None)
     name_to_config = {}
     for role, shapes in shape.role_to_parallel.items():
         for index, parallel in enumerate(shapes):
             name_to_config[local_instance_name(role, index)] = (role, Config(parallel.tp, parallel.pp))
-    kind_to_pairs: dict[str, list[tuple[Iteration, float]]] = {kind: [] for kind in KINDS}
-    for name, items in name_to_iterations.items():
+    name_to_items = {name: list(items) for name, items in name_to_iterations.items()}
+    for name in name_to_items:
         if name not in name_to_config:
             raise ValueError(f"iterations of instance {name!r}, which the deployment "
                              f"({shape.describe()}) does not have: {sorted(name_to_config)}")
+    shares = _busy_shares(name_to_items)
+    kind_to_timed: dict[str, list[tuple[Iteration, float, float]]] = {kind: [] for kind in KINDS}
+    for name, items in name_to_items.items():
         role, config = name_to_config[name]
         serving_mode = "colocated" if role == "colocated" else "disaggregated"
-        for item in items:
-            kind_to_pairs[item.kind].append((item, profiled_s(bare, serving_mode, config, item)))
-    return kind_to_pairs
+        for item, share in zip(items, shares[name], strict=True):
+            kind_to_timed[item.kind].append(
+                (item, profiled_s(bare, serving_mode, config, item), share))
+    return kind_to_timed
+
+
+def _busy_shares(name_to_items: Mapping[str, list[Iteration]]) -> dict[str, np.ndarray]:
+    """{instance: per iteration, the share of its time (its engine thread's, overhead
+    included) that the other instances' engine threads were busy, averaged over them}."""
+    spans = {}
+    for name, items in name_to_items.items():
+        ends = np.array([item.started_s + item.seconds for item in items], dtype=float)
+        spans[name] = (ends - np.array([item.busy_s for item in items], dtype=float), ends)
+    out = {}
+    for name, (starts, ends) in spans.items():
+        others = [_busy_within(*spans[other], starts, ends) for other in spans if other != name]
+        length = np.maximum(ends - starts, 1e-9)
+        out[name] = (np.mean(others, axis=0) / length if others else np.zeros(len(starts)))
+    return out
+
+
+def _busy_within(starts: np.ndarray, ends: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                 ) -> np.ndarray:
+    """Seconds of the spans [starts, ends) (one thread's: apart, in any order) within
+    each [lo, hi)."""
+    if not len(starts):
+        return np.zeros(len(lo))
+    order = np.argsort(starts)
+    starts, lengths = starts[order], (ends - starts)[order]
+    before = np.concatenate(([0.0], np.cumsum(lengths)))  # busy before each span
+
+    def busy_until(t: np.ndarray) -> np.ndarray:
+        last = np.searchsorted(starts, t, side="right") - 1  # the last span started by t
+        at = np.maximum(last, 0)
+        inside = np.clip(t - starts[at], 0.0, lengths[at])
+        return np.where(last >= 0, before[at] + inside, 0.0)
+
+    return np.clip(busy_until(hi) - busy_until(lo), 0.0, None)
+
+
+def _fit_slowdown(kind_to_timed: Mapping[str, list[tuple[Iteration, float, float]]],
+                  ) -> float | None:
+    """How much slower a runner runs while the other instances are busy, over the phases
+    that ran both ways (MIN_CONTRAST_ITERATIONS beside mostly idle and mostly busy ones;
+    None where no phase did): weighted least squares of measured = a_phase x profiled +
+    b x profiled x busy share (+ s x sequences, decode), each iteration's relative error
+    weighed by its time; the slowdown is b over the phases' a (weighed by their profiled
+    time), one for both phases, clamped to [0, MAX_BUSY_SLOWDOWN]."""
+    told = {}
+    for phase, timed in kind_to_timed.items():
+        timed = [t for t in timed if t[1] > 0]
+        busy = sum(share >= 0.5 for _, _, share in timed)
+        if min(busy, len(timed) - busy) >= MIN_CONTRAST_ITERATIONS:
+            told[phase] = timed
+    if not told:
+        return None
+    # columns: a per phase, b, then s where decode is told
+    num_columns = len(told) + 1 + ("decode" in told)
+    design, measured, weights = [], [], []
+    for column, (phase, timed) in enumerate(told.items()):
+        for item, p, share in timed:
+            row = [0.0] * num_columns
+            row[column], row[len(told)] = p, p * share
+            if phase == "decode":
+                row[-1] = len(item.lens)
+            design.append(row)
+            measured.append(item.busy_s)
+            weights.append(1.0 / math.sqrt(p))
+    w = np.array(weights)
+    coef, *_ = np.linalg.lstsq(np.array(design) * w[:, None], np.array(measured) * w,
+                               rcond=None)
+    profiled = [sum(p for _, p, _ in timed) for timed in told.values()]
+    alone = float(np.dot(coef[:len(told)], profiled) / sum(profiled))
+    slowdown = float(coef[len(told)]) / alone if alone > 0 else 0.0
+    return min(MAX_BUSY_SLOWDOWN, max(0.0, slowdown))
+
+
+def _beside_busy(timed: list[tuple[Iteration, float, float]], slowdown: float,
+                 ) -> list[tuple[Iteration, float]]:
+    """(iteration, the profile's time slowed by the others' busy share) of each."""
+    return [(item, p * (1.0 + slowdown * share)) for item, p, share in timed]
 
 
 def _phase_fit(phase: str, pairs: list[tuple[Iteration, float]]) -> PhaseFit:

@@ -186,6 +186,7 @@ def simulate_unit(
         max_decode_batch=ctx.max_decode_batch,
         can_decode_across_nodes=ctx.can_decode_across_nodes,
         max_waiting=ctx.max_waiting_requests, drift=ctx.drift,
+        busy_slowdown=ctx.correction.busy_slowdown,
     )
 
 
@@ -208,6 +209,7 @@ def simulate_baseline(
         chunk_size=ctx.chunk_size if name == "chunked_prefill" else None,
         max_batch_tokens=max_batch_tokens or max(2048, prefill_tokens(ctx, config)),
         max_batch=ctx.max_decode_batch, max_waiting=ctx.max_waiting_requests, drift=ctx.drift,
+        busy_slowdown=ctx.correction.busy_slowdown,
     )
 
 

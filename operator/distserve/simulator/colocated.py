@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from distserve.simulator.batch import DecodeRun, held_by_others, limit_runs
 from distserve.simulator.drift import SpeedDrift, drifting
 from distserve.simulator.events import EventLoop
+from distserve.simulator.host import SharedHost, shared_host
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
 from distserve.simulator.timing import InstanceModel
 from distserve_engine import policy
@@ -34,8 +35,9 @@ from distserve_engine import policy
 class _Instance:
     """KV memory and batch-size bound shared by an instance's lanes."""
 
-    def __init__(self, sim, inst: InstanceModel, max_batch: int, chunk_size: int | None):
-        self.sim, self.inst, self.max_batch = sim, inst, max_batch
+    def __init__(self, sim, idx: int, inst: InstanceModel, max_batch: int,
+                 chunk_size: int | None):
+        self.sim, self.idx, self.inst, self.max_batch = sim, idx, inst, max_batch
         self.promised_tokens = 0  # admitted, not yet in a lane's batch (being prefilled)
         self.count = 0  # admitted and not finished or preempted
         # what the router counts: requests sent here and not finished, their prompt tokens
@@ -56,6 +58,19 @@ class _Instance:
         self.count += 1
         if len(self.lanes) > 1:  # the promise may end another lane's run sooner
             limit_runs(self.lanes, self.inst.kv_capacity_tokens - self.promised_tokens)
+
+    def note_busy(self) -> None:
+        """Tell the host whether a lane runs an iteration."""
+        host = self.sim.host
+        if host is not None:
+            host.set_busy(self.idx, not all(lane.is_idle() for lane in self.lanes))
+
+    def cut_runs(self) -> None:
+        """Another instance turned busy or idle: each stepping lane ends its run at its
+        next step, to go on at the host's new speed."""
+        for lane in self.lanes:
+            if lane.run.is_stepping:
+                lane.run.cut_short()
 
     def release(self, rid: int, from_lane: _Lane) -> None:
         self.count -= 1
@@ -114,6 +129,7 @@ class _Lane:
             self._start_mixed(now)
         if not self.is_busy and batch.size:
             self.run.start(self.instance.budget_tokens(self))
+        self.instance.note_busy()
 
     def _admit_waiting(self, budget_tokens: int) -> list[int]:
         """Chunked: admit waiting prompts FCFS while memory and batch size allow, until
@@ -210,6 +226,7 @@ class _Sim:
         self.first_token_s = [-1.0] * trace.num_requests  # -1: no first token yet
         self.max_batch_tokens = max_batch_tokens
         self.instances: list[_Instance] = []
+        self.host: SharedHost | None = None  # where the instances slow each other down
 
     def arrive(self, rid: int) -> None:
         if not self.rec.admit(rid):
@@ -236,15 +253,21 @@ def simulate_colocated(
     max_batch: int = 256,
     max_waiting: int | None = None,
     drift: SpeedDrift | None = None,
+    busy_slowdown: float = 0.0,
 ) -> SimResult:
     """Run one trial of the colocated engine: vLLM-style with chunk_size None, chunked
     prefill with piggybacked decodes otherwise. Timers should come from the colocated
     latency model. With `slo`, the trial stops once the target is out of reach.
     `max_waiting`: the router refuses a request on arrival while this many wait for their
-    first token (None: no limit). `drift`: the instances' speed moves as it says."""
+    first token (None: no limit). `drift`: the instances' speed moves as it says.
+    `busy_slowdown`: the instances share a host, and each runs x(1 + busy_slowdown x
+    the share of the others busy) (`host.SharedHost`)."""
     sim = _Sim(trace, slo, max_batch_tokens, max_waiting)
-    sim.instances = [_Instance(sim, m, max_batch, chunk_size)
-                     for m in drifting(instances, drift, sim.loop)]
+    models, sim.host = shared_host(drifting(instances, drift, sim.loop), busy_slowdown)
+    sim.instances = [_Instance(sim, i, m, max_batch, chunk_size) for i, m in enumerate(models)]
+    if sim.host is not None:
+        for instance in sim.instances:
+            sim.host.on_change[instance.idx] = instance.cut_runs
     sim.loop.arrivals(trace.arrival_s.tolist(), sim.arrive)
     sim.loop.run()
     return sim.rec.result()

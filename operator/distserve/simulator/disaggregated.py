@@ -44,6 +44,7 @@ from distserve.simulator.batch import DecodeRun, HeldTokens, limit_runs
 from distserve.simulator.boundaries import BoundaryQueue
 from distserve.simulator.drift import SpeedDrift, drifting
 from distserve.simulator.events import EventLoop
+from distserve.simulator.host import SharedHost, shared_host
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
 from distserve.simulator.timing import InstanceModel
 from distserve_engine import policy
@@ -84,6 +85,7 @@ class _Sim:
         self.can_decode_across_nodes = True  # False: a request stays with its nearest decodes
         self.is_prefill_only = False
         self.max_decode_batch = 0
+        self.host: SharedHost | None = None  # where the instances slow each other down
 
     def arrive(self, rid: int) -> None:
         if not self.rec.admit(rid):
@@ -143,6 +145,7 @@ class _Prefill:
         self.held_tokens = 0
         self.unprefilled_tokens = 0  # prompt tokens queued or in the pipeline
         self.is_waking = False
+        self.num_in_flight = 0  # batches in the pipeline
 
     def enqueue(self, rid: int) -> None:
         self.queue.append(rid)
@@ -185,11 +188,17 @@ class _Prefill:
             free[k] = free_s
             ready_s = free_s + handoff_s
         loop.at(free[-1], self._done, rids)
+        self.num_in_flight += 1
+        if self.sim.host is not None:
+            self.sim.host.set_busy(self.idx, True)
         if queue:
             self.is_waking = True
             loop.at(free[0], self._wake)
 
     def _done(self, rids: list[int]) -> None:
+        self.num_in_flight -= 1
+        if not self.num_in_flight and self.sim.host is not None:
+            self.sim.host.set_busy(self.idx, False)
         for rid in rids:
             self.unprefilled_tokens -= self.sim.prompt[rid]
             self.sim.prefilled(rid, self)
@@ -292,6 +301,20 @@ class _Decode:
         self.pending.appendleft((rid, RECOMPUTE))
         self.sim.rec.num_preemptions += 1
 
+    def note_busy(self) -> None:
+        """Tell the host whether a lane steps or prefills again."""
+        host = self.sim.host
+        if host is not None:
+            host.set_busy(len(self.sim.prefills) + self.idx,
+                          any(lane.is_busy or lane.run.is_stepping for lane in self.lanes))
+
+    def cut_runs(self) -> None:
+        """Another instance turned busy or idle: each stepping lane ends its run at its
+        next step, to go on at the host's new speed."""
+        for lane in self.lanes:
+            if lane.run.is_stepping:
+                lane.run.cut_short()
+
 
 class _Lane:
     """One micro-batch of a decode instance, advanced a run of steps at a time."""
@@ -355,6 +378,7 @@ class _Lane:
             sim.loop.at(now + seconds, self._recomputed, rids)
         elif batch.size:
             self.run.start(decode.budget_tokens(self))
+        decode.note_busy()
 
     def _recomputed(self, rids: list[int]) -> None:
         """The prefill of preempted requests ended: each has its next token."""
@@ -386,6 +410,7 @@ def simulate_disaggregated(
     can_decode_across_nodes: bool = True,
     max_waiting: int | None = None,
     drift: SpeedDrift | None = None,
+    busy_slowdown: float = 0.0,
 ) -> SimResult:
     """Run one trial. An empty `prefill` simulates decode alone (requests arrive
     prefilled); an empty `decode` simulates prefill alone (requests end at their first
@@ -394,9 +419,12 @@ def simulate_disaggregated(
     `can_decode_across_nodes` False (low node affinity): a prefilled request goes to a
     decode instance on its prefill's fastest link (its node), full or not.
     `max_waiting`: the router refuses a request on arrival while this many wait for their
-    first token (None: no limit). `drift`: the instances' speed moves as it says."""
+    first token (None: no limit). `drift`: the instances' speed moves as it says.
+    `busy_slowdown`: the instances share a host, and each runs x(1 + busy_slowdown x
+    the share of the others busy) (`host.SharedHost`)."""
     sim = _Sim(trace, slo, max_waiting)
-    models = drifting([*prefill, *decode], drift, sim.loop)
+    models, sim.host = shared_host(drifting([*prefill, *decode], drift, sim.loop),
+                                   busy_slowdown)
     prefill, decode = models[:len(prefill)], models[len(prefill):]
     lms = ([max_prefill_tokens] * len(prefill) if isinstance(max_prefill_tokens, int)
            else list(max_prefill_tokens))
@@ -406,6 +434,9 @@ def simulate_disaggregated(
         _Decode(sim, i, m, max_decode_batch, transfer, pps) for i, m in enumerate(decode)
     ]
     sim.is_prefill_only = not decode
+    if sim.host is not None:
+        for d in sim.decodes:
+            sim.host.on_change[len(sim.prefills) + d.idx] = d.cut_runs
     sim.max_decode_batch = max_decode_batch
     sim.can_decode_across_nodes = can_decode_across_nodes
     sim.find_nearest_decodes(len(sim.prefills))
