@@ -21,9 +21,9 @@ from distserve.cli.fidelity import (
     WARMUP_REQUESTS,
     _sample_trace,
     compare_deployment,
+    load_run,
 )
 from distserve.latency import Correction
-from distserve.local import calibration
 from distserve.local.calibration import (
     DECODE_DRIFT_WINDOW_S,
     PREFILL_DRIFT_WINDOW_S,
@@ -244,12 +244,7 @@ def test_a_runner_slowed_while_the_other_instance_is_busy_gives_that_slowdown():
     assert "each x1.12 while the other instances are busy" in fit.describe()
     # one factor a phase would stand for the run's mix of both: prefill beside a busy
     # decode half the time, between 1.1 and 1.1 x 1.12
-    saved = calibration.MIN_CONTRAST_ITERATIONS
-    try:
-        calibration.MIN_CONTRAST_ITERATIONS = 10 ** 9
-        mixed = fit_iterations(ctx, shape, name_to_items)
-    finally:
-        calibration.MIN_CONTRAST_ITERATIONS = saved
+    mixed = fit_iterations(ctx, shape, name_to_items, tell_slowdown=False)
     assert 1.13 < mixed.correction.prefill_factor < 1.2 and mixed.busy_slowdown == 0.0
 
 
@@ -350,6 +345,32 @@ def test_fidelity_calibrates_on_another_sample_then_judges_the_knee_with_the_cor
     # each rate after the first is predicted with the factors of the run just before it
     sources = re.findall(r"simulated with the factors of (.*?): prefill x1.50", out)
     assert sources == ["the calibration"] + [f"the run at {r:g} req/s" for r, *_ in rows[:2]]
+
+
+def test_fidelity_saves_each_run_to_be_predicted_again_offline(tmp_path, capsys):
+    spec, shape, ctx = deployment(0)
+    trace, calibration = _sample_trace(spec, 12), _sample_trace(spec, 10, skip=12)
+    fake = SlowPrefillDeployment(ctx)
+
+    def launch(settings, port):
+        return contextlib.nullcontext(SimpleNamespace(url=f"http://127.0.0.1:{port}"))
+
+    compare_deployment(spec, None, "local", "/model", 0, trace, [0.5, 0.8], 18000,
+                       drive_fn=fake.drive, launch=launch, calibration=calibration,
+                       iterations_fn=lambda _: fake.iterations, save_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "disaggregated-calibration.json", "disaggregated-rate-1.json", "disaggregated-rate-2.json"]
+    _, calibrated, first, second = fake.sent
+    run = load_run(tmp_path / "disaggregated-rate-2.json")
+    assert (run["deployment"], run["num_colocated"], run["rate"]) == ("disaggregated", 0, 0.8)
+    assert run["requests"] == second  # what was sent, at its rate
+    assert [o.ttft_s for o in run["outcomes"]] == [1.0] * len(second)
+    assert run["iterations"] == fake.iterations and run["started_s"] <= run["ended_s"]
+    saved = load_run(tmp_path / "disaggregated-calibration.json")
+    assert saved["requests"] == calibrated and saved["label"] == "calibration"
+    # the saved iterations fit as the live ones did
+    fit = fit_window(ctx, shape, run["iterations"], run["started_s"])
+    assert fit.correction.prefill_factor == pytest.approx(1.5)
 
 
 def test_fidelity_predicts_the_rest_of_each_run_from_its_first_requests_iterations(capsys):

@@ -97,6 +97,10 @@ def add_arguments(parser) -> None:
                         help="plan and predict with this latency profile instead of this machine's cached one")
     parser.add_argument("--no-measure", action="store_true",
                         help="do not measure this machine's profile on first use (as `distserve up`)")
+    parser.add_argument("--save", default=None, metavar="DIR",
+                        help="write each run (its requests, what the client saw of each, and the "
+                             "instances' iterations) to DIR as JSON, to predict again offline "
+                             "(benchmarks/fidelity_replay.py)")
 
 
 def _log(message: str) -> None:
@@ -156,7 +160,8 @@ def run(args) -> int:
         for offset, num_colocated in enumerate(shapes):
             compare_deployment(spec, plan, manifest.metadata.name, model_path, num_colocated,
                                trace, rates, args.port + 10 * offset, knee_trace=knee_trace,
-                               calibration=calibration, repeat=args.repeat)
+                               calibration=calibration, repeat=args.repeat,
+                               save_dir=Path(args.save) if args.save else None)
     except LaunchError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_LAUNCH_ERROR
@@ -210,14 +215,15 @@ def _sample_trace(spec, num_requests: int, skip: int = 0):
 def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: int, trace,
                        rates: list[float] | None, port: int, drive_fn=None, launch=None,
                        knee_trace=None, calibration=None, iterations_fn=None,
-                       repeat: int = 1) -> list[tuple]:
+                       repeat: int = 1, save_dir: Path | None = None) -> list[tuple]:
     """Launch one deployment (the plan's, or with no plan the spec's placement), calibrate
     on `calibration` (a trace at 1 req/s, or None), replay `trace` at each rate (around
     the knee judged on `knee_trace`, default `trace`) `repeat` times in a row, then the
     replays side by side; print and return (rate, measured, predicted, load) per replay.
     drive_fn(url, requests) -> outcomes, launch(settings, port) -> a context manager with
     .url, and iterations_fn(launcher) -> {instance name: [Iteration]} replace the HTTP load
-    generator, the processes and the instances' /debug/iterations (tests)."""
+    generator, the processes and the instances' /debug/iterations (tests). save_dir: each
+    run is written there too (`save_run`)."""
     from distserve.local.calibration import fetch_iterations, fit_drift, fit_window
     from distserve.local.launcher import LocalLauncher
     from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context, predicted_knee_rps
@@ -263,9 +269,12 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             knee_rps, _ = predicted_knee_rps(profiled, shape, knee_trace, estimate_rps)
             rate = round(max(knee_rps, 0.01) * CALIBRATION_KNEE_FACTOR, 3)
             started_s = time.time()
-            _drive(launcher.url, spec, calibration.at_rate(rate), drive_fn)
+            outcomes = _drive(launcher.url, spec, calibration.at_rate(rate), drive_fn)
             ended_s = time.time()
             name_to_items = iterations_since(started_s)
+            if save_dir is not None:
+                save_run(save_dir, num_colocated, "calibration", rate, calibration.at_rate(rate),
+                         outcomes, name_to_items, started_s, ended_s)
             fit = fit_between(name_to_items, started_s)
             drift, _ = fit_drift(profiled, shape, name_to_items, fit, started_s, ended_s)
             ctx = dataclasses.replace(profiled, correction=fit.correction, drift=drift)
@@ -300,6 +309,9 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                 if repeat > 1:
                     _say(f"\nreplay {replay + 1} of {repeat} at {rate:g} req/s")
                 name_to_items = iterations_since(started_s)
+                if save_dir is not None:
+                    save_run(save_dir, num_colocated, f"rate-{len(rows)}", rate,
+                             trace.at_rate(rate), outcomes, name_to_items, started_s, ended_s)
                 run_fit = fit_between(name_to_items, started_s)
                 drift, speeds = fit_drift(profiled, shape, name_to_items, run_fit, started_s,
                                           ended_s)
@@ -315,6 +327,44 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                 _say("\n" + format_replays(shape.describe(), rate, replays))
     _say("\n" + format_tally(shape.describe(), [(row[1], row[2]) for row in rows]))
     return rows
+
+
+def save_run(save_dir: Path, num_colocated: int, label: str, rate: float, trace, outcomes,
+             name_to_items: dict, started_s: float, ended_s: float) -> Path:
+    """Write one run to save_dir/<deployment>-<label>.json: the deployment (colocated
+    instances, 0: the plan's prefill and decode), the rate, the requests sent, what the
+    client saw of each, and every instance's iterations from started_s on."""
+    from distserve.local.prediction import requests_of
+
+    deployment = f"colocated-{num_colocated}" if num_colocated else "disaggregated"
+    doc = {
+        "deployment": deployment, "num_colocated": num_colocated, "label": label, "rate": rate,
+        "started_s": started_s, "ended_s": ended_s,
+        "requests": [[r.req_id, r.arrival_s, r.prompt_tokens, r.output_tokens]
+                     for r in requests_of(trace)],
+        "outcomes": [dataclasses.asdict(o) for o in outcomes],
+        "iterations": {name: [i.to_dict() for i in items if i.started_s >= started_s]
+                       for name, items in name_to_items.items()},
+    }
+    save_dir.mkdir(parents=True, exist_ok=True)
+    path = save_dir / f"{deployment}-{label}.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def load_run(path: Path) -> dict:
+    """A run `save_run` wrote: the same document, its requests as `workload.Request`, its
+    outcomes as `local.load.Outcome` and its iterations as `Iteration`."""
+    from distserve.local.load import Outcome
+    from distserve.workload import Request
+    from distserve_engine.instance.iterations import Iteration
+
+    doc = json.loads(Path(path).read_text())
+    doc["requests"] = [Request(int(i), float(a), int(p), int(o)) for i, a, p, o in doc["requests"]]
+    doc["outcomes"] = [Outcome(**o) for o in doc["outcomes"]]
+    doc["iterations"] = {name: [Iteration.from_dict(i) for i in items]
+                         for name, items in doc["iterations"].items()}
+    return doc
 
 
 def _report(spec, shape, trace, row: tuple, draws, ctx, profiled, factors_from: str | None,

@@ -20,6 +20,18 @@ than when the profile was measured (on SmolLM2 in bfloat16, factors of x0.96-1.6
 four runs of `distserve fidelity` in an hour, the runner off its core 3-14% of its
 calls' time: the host's own speed drifts that much).
 
+The instances of a local deployment share the host, and each runner runs slower while
+another is busy (caches, memory bandwidth, a core's sibling thread): on SmolLM2 on a
+2-core host, a decode step x0.99 of its profile beside an idle prefill runner and x1.08
+beside a busy one, 1P+1D and 2 colocated instances alike fitting x1.09. One factor per
+phase would average that over how busy the others were, which the load sets: a factor
+fitted at one rate is too fast at a higher one. So each iteration is set beside its
+share of time the other instances' engine threads were busy, the slowdown is fitted
+over the phases that ran both beside idle and busy ones (`_fit_slowdown`), and the
+factors are each runner's speed alone; the simulator slows each instance as busy as
+the others are (`simulator.host`). A run whose instances were never idle apart (a
+deployment past its knee) cannot tell one, and keeps the slowdown it is given.
+
 A constant factor is the mean of a speed that moves. `speeds_by_window` tells each
 window of a run against the run's factor, and `fit_drift` makes of it the `SpeedDrift`
 the simulator can run with: per phase, the spread of log speed across windows less what
@@ -159,14 +171,16 @@ def profiled_s(ctx: SearchContext, serving_mode: str, config: Config, item: Iter
 
 def fit_iterations(ctx: SearchContext, shape: LocalShape,
                    name_to_iterations: Mapping[str, Iterable[Iteration]],
-                   busy_slowdown: float = 0.0) -> IterationFit:
+                   busy_slowdown: float = 0.0, tell_slowdown: bool = True) -> IterationFit:
     """Each phase's measured over profiled time, over every instance of the shape, with
     the slowdown of each while the others are busy (`_fit_slowdown`; busy_slowdown, one
-    measured before, where these iterations cannot tell it), the factors being each
-    runner's speed alone. ctx's own correction is left out: the fit is against the
-    profile as measured. A ValueError for an instance the shape does not have."""
+    measured before, where these iterations cannot tell it, or with tell_slowdown False),
+    the factors being each runner's speed alone (with no slowdown, one factor a phase
+    over the run's mix of idle and busy neighbours). ctx's own correction is left out:
+    the fit is against the profile as measured. A ValueError for an instance the shape
+    does not have."""
     kind_to_timed = _profiled_pairs(ctx, shape, name_to_iterations)
-    measured = _fit_slowdown(kind_to_timed)
+    measured = _fit_slowdown(kind_to_timed) if tell_slowdown else None
     slowdown = busy_slowdown if measured is None else measured
     return IterationFit(tuple(_phase_fit(kind, _beside_busy(timed, slowdown))
                               for kind, timed in kind_to_timed.items()),
@@ -175,10 +189,11 @@ def fit_iterations(ctx: SearchContext, shape: LocalShape,
 
 def fit_window(ctx: SearchContext, shape: LocalShape,
                name_to_iterations: Mapping[str, list[Iteration]], started_s: float,
-               until_s: float = math.inf, busy_slowdown: float = 0.0) -> IterationFit:
+               until_s: float = math.inf, busy_slowdown: float = 0.0,
+               tell_slowdown: bool = True) -> IterationFit:
     """The fit of the iterations that started from started_s until until_s."""
     return fit_iterations(ctx, shape, _between(name_to_iterations, started_s, until_s),
-                          busy_slowdown)
+                          busy_slowdown, tell_slowdown)
 
 
 @dataclass(frozen=True)

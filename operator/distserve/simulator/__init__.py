@@ -3,7 +3,9 @@ colocated baselines, on one latency model, to predict TTFT, TPOT and SLO attainm
 
 `simulate_disaggregated` and `simulate_colocated` run one trial over a `Trace`;
 `InstanceModel` and `StageTimer` wrap a latency model with the instance's memory;
-`SpeedDrift` lets the instances' speed move over a trial as a host's does.
+`SpeedDrift` lets the instances' speed move over a trial as a host's does, and a
+`busy_slowdown` slows instances that share a host while the others are busy
+(`simulator.host`).
 """
 
 from distserve.simulator.colocated import simulate_colocated

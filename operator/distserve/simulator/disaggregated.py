@@ -19,7 +19,10 @@ Decisions modelled (paper section 4.3):
   decode instance (its prompt and generated tokens) when it fits; that prefill stalls
   its lane and yields its next token (counted in `SimResult.num_preemptions`);
 - a decode instance with pp stages runs pp lanes (micro-batches) in turn, each a
-  continuous batch; a new request joins the least loaded lane at its next boundary.
+  continuous batch; a new request joins the least loaded lane at its next boundary;
+- with a `busy_slowdown`, the instances share a host and each runs slower while the
+  others are busy (`simulator.host`): a prefill batch as they are when it starts, a
+  decode instance's steps as they are from the step after one turns busy or idle.
 NOTE: memory is counted in tokens (the engine counts blocks: the two agree at block
 size 1, and within a block per request otherwise). A lane's run is bounded by the memory
 left beside the other lanes as they stand at its start; they see each other's growth at

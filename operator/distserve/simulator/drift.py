@@ -3,12 +3,13 @@
 A latency profile and a correction give each batch one time. A real runner's time for
 the same batch moves: from one stretch to the next (on this project's CPU hosts by
 x0.95-1.06 per 30 s window against the run's own factor; a decode step's speed by 8% in
-sd over 2 s windows, slower while a prefill runs beside it, and more), and from one
-batch to the next. A constant speed predicts one figure where replays of the same
+sd over 2 s windows, of which the slowdown beside a busy prefill, modelled apart
+(`simulator.host`), leaves 7%), and from one batch to the next. A constant speed predicts one figure where replays of the same
 requests differ (near the knee by several points of attainment), and tails too narrow:
 TPOT over requests spreads with the speed of the seconds each request decodes in (1P+1D
 on SmolLM2, 300 requests at 1.6 req/s simulated with the run's own factors: TPOT p90
-0.037 s steady, 0.039 s with decode drifting over 2 s windows, 0.040 s measured).
+0.037 s steady, 0.039 s with decode drifting over 2 s windows, 0.040 s measured; with
+the slowdown beside busy instances, 0.038 s steady and 0.039-0.040 s drifting).
 
 `SpeedDrift` says how much the speed moves (what `local.calibration.fit_drift` measures
 of a run's iterations) and `SpeedTrack` draws one history of it: each phase's speed
