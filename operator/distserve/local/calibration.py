@@ -61,8 +61,12 @@ from distserve_engine.instance.iterations import ITERATION_HISTORY, KINDS, Itera
 
 MIN_SEQUENCE_S = 1e-6  # a time per sequence below this is the fit's rounding: none
 # iterations of a phase that ran with the other instances mostly idle, and as many that
-# ran with them mostly busy, for the phase to tell how much they slow it
+# ran with them mostly busy, for the phase to tell how much they slow it, and the share
+# of the phase's time each side must hold: at and past the knee the others are idle for
+# 0-4% of the time, and the slowdown fitted on so few read anything from x1.03 to x1.25
+# (SmolLM2, one `fidelity` run), where a calibration below the knee reads x1.12-1.16
 MIN_CONTRAST_ITERATIONS = 20
+MIN_CONTRAST_SHARE = 0.1
 MIN_WINDOW_ITERATIONS = 10  # a phase's window with fewer iterations tells no speed
 MIN_DRIFT_WINDOWS = 3  # fewer windows of a phase tell no spread between them
 MAX_DRIFT_SD = 0.5  # of log speed: more is a broken run, not a drift to simulate
@@ -353,16 +357,19 @@ def _busy_within(starts: np.ndarray, ends: np.ndarray, lo: np.ndarray, hi: np.nd
 def _fit_slowdown(kind_to_timed: Mapping[str, list[tuple[Iteration, float, float]]],
                   ) -> float | None:
     """How much slower a runner runs while the other instances are busy, over the phases
-    that ran both ways (MIN_CONTRAST_ITERATIONS beside mostly idle and mostly busy ones;
-    None where no phase did): weighted least squares of measured = a_phase x profiled +
+    that ran both ways (MIN_CONTRAST_ITERATIONS beside mostly idle and mostly busy ones,
+    each side MIN_CONTRAST_SHARE of the phase's time; None where no phase did): weighted least squares of measured = a_phase x profiled +
     b x profiled x busy share (+ s x sequences, decode), each iteration's relative error
     weighed by its time; the slowdown is b over the phases' a (weighed by their profiled
     time), one for both phases, clamped to [0, MAX_BUSY_SLOWDOWN]."""
     told = {}
     for phase, timed in kind_to_timed.items():
         timed = [t for t in timed if t[1] > 0]
-        busy = sum(share >= 0.5 for _, _, share in timed)
-        if min(busy, len(timed) - busy) >= MIN_CONTRAST_ITERATIONS:
+        busy = [share >= 0.5 for _, _, share in timed]
+        busy_s = sum(p for (_, p, _), is_busy in zip(timed, busy, strict=True) if is_busy)
+        total_s = sum(p for _, p, _ in timed)
+        if (min(sum(busy), len(timed) - sum(busy)) >= MIN_CONTRAST_ITERATIONS
+                and min(busy_s, total_s - busy_s) >= MIN_CONTRAST_SHARE * total_s):
             told[phase] = timed
     if not told:
         return None
