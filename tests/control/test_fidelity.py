@@ -140,3 +140,14 @@ def test_repeat_below_one_is_refused_naming_the_option(capsys):
     code = main(["fidelity", "-f", str(EXAMPLES / "local.yaml"), "--repeat", "0"])
     assert code == EXIT_USAGE_ERROR
     assert "--repeat must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_save_folder_that_cannot_be_made_is_refused_naming_the_option(tmp_path, capsys):
+    from distserve.cli import main
+    from distserve.cli.up import EXIT_USAGE_ERROR
+
+    taken = tmp_path / "a-file"
+    taken.write_text("not a folder")
+    code = main(["fidelity", "-f", str(EXAMPLES / "local.yaml"), "--save", str(taken / "runs")])
+    assert code == EXIT_USAGE_ERROR
+    assert f"--save '{taken / 'runs'}': cannot make that folder" in capsys.readouterr().err

@@ -15,7 +15,7 @@ decode instances, then `--colocated N` colocated instances (the baseline). Per d
    runners slow each other down (they share the host): the fit tells by how much each
    runs slower while the other instances are busy, its factors being each runner's
    speed alone, and the simulator slows each as busy as the others are at the rate it
-   predicts (`simulator.host`); a run whose instances were never idle apart keeps the
+   predicts (`simulator.host`); a run whose instances were seldom idle apart keeps the
    slowdown told before.
 2. The knee: the highest rate at which the simulator meets the SLO target in steady state,
    judged on KNEE_TRACE_REQUESTS requests (a short trace scaled to a high rate is one
@@ -39,6 +39,9 @@ decode instances, then `--colocated N` colocated instances (the baseline). Per d
    far apart the measured figures of the same requests at the same times lie, and
    whether one figure could be within the goal of every replay. Where the deployment
    itself does not repeat within the goal, no prediction can meet it.
+6. `--save DIR`: each run (its requests, what the client saw of each, every instance's
+   iterations) is written as JSON, for `benchmarks/fidelity_replay.py` to predict again
+   offline with each way of correcting the simulator, side by side on the same runs.
 The latency profile is the one `distserve up` plans with (this machine's, measured on
 first use and cached; `--profile FILE`, `--no-measure`); its fit error is printed first.
 """
@@ -132,6 +135,11 @@ def run(args) -> int:
                              f"{args.requests} and {args.calibrate_requests}")
         if args.repeat < 1:
             raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
+        if args.save:
+            try:
+                Path(args.save).mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise ValueError(f"--save {args.save!r}: cannot make that folder: {err}") from err
         source = _choose_profile(args, spec, model_path)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -29,8 +29,8 @@ fitted at one rate is too fast at a higher one. So each iteration is set beside 
 share of time the other instances' engine threads were busy, the slowdown is fitted
 over the phases that ran both beside idle and busy ones (`_fit_slowdown`), and the
 factors are each runner's speed alone; the simulator slows each instance as busy as
-the others are (`simulator.host`). A run whose instances were never idle apart (a
-deployment past its knee) cannot tell one, and keeps the slowdown it is given.
+the others are (`simulator.host`). A run whose instances were seldom idle apart (at or
+past the knee: MIN_CONTRAST_SHARE) cannot tell one, and keeps the slowdown it is given.
 
 A constant factor is the mean of a speed that moves. `speeds_by_window` tells each
 window of a run against the run's factor, and `fit_drift` makes of it the `SpeedDrift`
@@ -183,7 +183,7 @@ def fit_iterations(ctx: SearchContext, shape: LocalShape,
     over the run's mix of idle and busy neighbours). ctx's own correction is left out:
     the fit is against the profile as measured. A ValueError for an instance the shape
     does not have."""
-    kind_to_timed = _profiled_pairs(ctx, shape, name_to_iterations)
+    kind_to_timed = _timed_iterations(ctx, shape, name_to_iterations)
     measured = _fit_slowdown(kind_to_timed) if tell_slowdown else None
     slowdown = busy_slowdown if measured is None else measured
     return IterationFit(tuple(_phase_fit(kind, _beside_busy(timed, slowdown))
@@ -242,7 +242,7 @@ def speeds_by_window(ctx: SearchContext, shape: LocalShape,
     phase_to_speeds: dict[str, list[float]] = {}
     phase_to_noise: dict[str, list[float]] = {}
     prefill_residuals: list[tuple[float, float]] = []  # (modelled s, log of measured/window's)
-    run = _profiled_pairs(ctx, shape, _between(name_to_iterations, started_s, math.inf))
+    run = _timed_iterations(ctx, shape, _between(name_to_iterations, started_s, math.inf))
     for phase, timed in run.items():
         fit = whole[phase]
         window_to_pairs: dict[int, list[tuple[float, float]]] = {}  # (measured s, modelled s)
@@ -293,7 +293,7 @@ def _between(name_to_iterations: Mapping[str, Iterable[Iteration]], started_s: f
             for name, items in name_to_iterations.items()}
 
 
-def _profiled_pairs(ctx: SearchContext, shape: LocalShape,
+def _timed_iterations(ctx: SearchContext, shape: LocalShape,
                     name_to_iterations: Mapping[str, Iterable[Iteration]],
                     ) -> dict[str, list[tuple[Iteration, float, float]]]:
     """{kind: (iteration, the profile's time for its batch, the share of its time the
@@ -357,11 +357,12 @@ def _busy_within(starts: np.ndarray, ends: np.ndarray, lo: np.ndarray, hi: np.nd
 def _fit_slowdown(kind_to_timed: Mapping[str, list[tuple[Iteration, float, float]]],
                   ) -> float | None:
     """How much slower a runner runs while the other instances are busy, over the phases
-    that ran both ways (MIN_CONTRAST_ITERATIONS beside mostly idle and mostly busy ones,
-    each side MIN_CONTRAST_SHARE of the phase's time; None where no phase did): weighted least squares of measured = a_phase x profiled +
-    b x profiled x busy share (+ s x sequences, decode), each iteration's relative error
-    weighed by its time; the slowdown is b over the phases' a (weighed by their profiled
-    time), one for both phases, clamped to [0, MAX_BUSY_SLOWDOWN]."""
+    that ran both ways (MIN_CONTRAST_ITERATIONS beside mostly idle and as many beside
+    mostly busy ones, each side MIN_CONTRAST_SHARE of the phase's time; None where no
+    phase did): weighted least squares of measured = a_phase x profiled + b x profiled x
+    busy share (+ s x sequences, decode), each iteration's relative error weighed by its
+    time; the slowdown is b over the phases' a (weighed by their profiled time), one for
+    both phases, clamped to [0, MAX_BUSY_SLOWDOWN]."""
     told = {}
     for phase, timed in kind_to_timed.items():
         timed = [t for t in timed if t[1] > 0]
