@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distserve.simulator.timing import InstanceModel, StageTimer
+from distserve.simulator.timing import InstanceModel, ScaledTimer
 
 
 @dataclass(frozen=True)
@@ -120,39 +120,21 @@ def _mean_one(sd: float, z: float) -> float:
     return math.exp(sd * z - sd * sd / 2) if sd else 1.0
 
 
-class DriftingTimer:
-    """A `StageTimer` whose times follow a `SpeedTrack` at the trial's clock (`loop.now`):
-    the same calls, so the simulators take one where they take the other."""
+class DriftingTimer(ScaledTimer):
+    """A timer whose times follow a `SpeedTrack` at the trial's clock (`loop.now`)."""
 
-    __slots__ = ("timer", "track", "loop", "pp")
+    __slots__ = ("track", "loop")
 
-    def __init__(self, timer: StageTimer, track: SpeedTrack, loop) -> None:
-        self.timer = timer
+    def __init__(self, timer, track: SpeedTrack, loop) -> None:
+        super().__init__(timer)
         self.track = track
         self.loop = loop
-        self.pp = timer.pp
 
-    def prefill_batch_s(self, prompt_lens: tuple[int, ...]) -> tuple[float, float]:
-        """(seconds per stage, seconds of each hand-off) for a prefill batch starting now."""
-        stage_s, handoff_s = self.timer.prefill_batch_s(prompt_lens)
-        speed = self.track.prefill_at(self.loop.now)
-        return stage_s * speed, handoff_s * speed
+    def prefill_speed(self) -> float:
+        return self.track.prefill_at(self.loop.now)
 
-    def prefill_iteration_s(self, prompt_lens: tuple[int, ...]) -> float:
-        """A prefill batch starting now through every stage."""
-        return self.timer.prefill_iteration_s(prompt_lens) * self.track.prefill_at(self.loop.now)
-
-    def decode_line(self, batch_size: int) -> tuple[float, float]:
-        """(alpha_s, slope_s_per_token) of decode steps from now (`StageTimer.decode_line`)."""
-        alpha_s, slope_s = self.timer.decode_line(batch_size)
-        speed = self.track.decode_at(self.loop.now)
-        return alpha_s * speed, slope_s * speed
-
-    def mixed_iteration_s(self, chunks: Sequence[tuple[int, int]], batch_size: int,
-                          total_context: int) -> float:
-        """A chunked-prefill iteration starting now, at prefill's speed (its chunks)."""
-        return (self.timer.mixed_iteration_s(chunks, batch_size, total_context)
-                * self.track.prefill_at(self.loop.now))
+    def decode_speed(self) -> float:
+        return self.track.decode_at(self.loop.now)
 
 
 def drifting(models: Sequence[InstanceModel], drift: SpeedDrift | None,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from distserve.simulator.timing import InstanceModel
+from distserve.simulator.timing import InstanceModel, ScaledTimer
 
 
 def _nothing() -> None:
@@ -67,38 +67,22 @@ class SharedHost:
                 notify()
 
 
-class HostTimer:
-    """A timer (`StageTimer` or `DriftingTimer`) whose times follow the host's
-    multiplier for one instance at the moment they are asked for: the same calls."""
+class HostTimer(ScaledTimer):
+    """A timer (`StageTimer` or `DriftingTimer`) whose times follow the host's multiplier
+    for one instance at the moment they are asked for."""
 
-    __slots__ = ("timer", "host", "index", "pp")
+    __slots__ = ("host", "index")
 
     def __init__(self, timer, host: SharedHost, index: int) -> None:
-        self.timer = timer
+        super().__init__(timer)
         self.host = host
         self.index = index
-        self.pp = timer.pp
 
-    def prefill_batch_s(self, prompt_lens: tuple[int, ...]) -> tuple[float, float]:
-        """(seconds per stage, seconds of each hand-off) for a prefill batch starting now."""
-        stage_s, handoff_s = self.timer.prefill_batch_s(prompt_lens)
-        return stage_s * self.host.multiplier(self.index), handoff_s
+    def prefill_speed(self) -> float:
+        return self.host.multiplier(self.index)
 
-    def prefill_iteration_s(self, prompt_lens: tuple[int, ...]) -> float:
-        """A prefill batch starting now through every stage."""
-        return self.timer.prefill_iteration_s(prompt_lens) * self.host.multiplier(self.index)
-
-    def decode_line(self, batch_size: int) -> tuple[float, float]:
-        """(alpha_s, slope_s_per_token) of decode steps from now."""
-        alpha_s, slope_s = self.timer.decode_line(batch_size)
-        speed = self.host.multiplier(self.index)
-        return alpha_s * speed, slope_s * speed
-
-    def mixed_iteration_s(self, chunks: Sequence[tuple[int, int]], batch_size: int,
-                          total_context: int) -> float:
-        """A chunked-prefill iteration starting now."""
-        return (self.timer.mixed_iteration_s(chunks, batch_size, total_context)
-                * self.host.multiplier(self.index))
+    def decode_speed(self) -> float:
+        return self.host.multiplier(self.index)
 
 
 def shared_host(models: Sequence[InstanceModel], busy_slowdown: float,

@@ -68,6 +68,47 @@ class StageTimer:
         return self.pp * stage_s + (self.pp - 1) * handoff_s
 
 
+class ScaledTimer:
+    """A timer whose times are another's multiplied by a speed of the moment they are
+    asked for (`prefill_speed`, `decode_speed`, for a subclass to say): the same calls,
+    so the simulators take one where they take the other."""
+
+    __slots__ = ("timer", "pp")
+
+    def __init__(self, timer) -> None:
+        self.timer = timer
+        self.pp = timer.pp
+
+    def prefill_speed(self) -> float:
+        """The multiplier on a prefill batch (or chunked iteration) starting now."""
+        raise NotImplementedError
+
+    def decode_speed(self) -> float:
+        """The multiplier on decode steps from now."""
+        raise NotImplementedError
+
+    def prefill_batch_s(self, prompt_lens: tuple[int, ...]) -> tuple[float, float]:
+        """(seconds per stage, seconds of each hand-off) for a prefill batch starting now."""
+        stage_s, handoff_s = self.timer.prefill_batch_s(prompt_lens)
+        speed = self.prefill_speed()
+        return stage_s * speed, handoff_s * speed
+
+    def prefill_iteration_s(self, prompt_lens: tuple[int, ...]) -> float:
+        """A prefill batch starting now through every stage."""
+        return self.timer.prefill_iteration_s(prompt_lens) * self.prefill_speed()
+
+    def decode_line(self, batch_size: int) -> tuple[float, float]:
+        """(alpha_s, slope_s_per_token) of decode steps from now (`StageTimer.decode_line`)."""
+        alpha_s, slope_s = self.timer.decode_line(batch_size)
+        speed = self.decode_speed()
+        return alpha_s * speed, slope_s * speed
+
+    def mixed_iteration_s(self, chunks: Sequence[tuple[int, int]], batch_size: int,
+                          total_context: int) -> float:
+        """A chunked-prefill iteration starting now, at prefill's speed (its chunks)."""
+        return self.timer.mixed_iteration_s(chunks, batch_size, total_context) * self.prefill_speed()
+
+
 @dataclass
 class InstanceModel:
     """What a simulator needs of one instance: its timer, stages and KV memory."""
