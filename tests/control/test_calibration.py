@@ -242,10 +242,15 @@ def test_a_runner_slowed_while_the_other_instance_is_busy_gives_that_slowdown():
     assert (c.prefill_factor, c.decode_factor) == pytest.approx((1.1, 0.9), rel=0.01)
     assert c.busy_slowdown == fit.busy_slowdown and c.decode_sequence_s < 1e-4
     assert "each x1.12 while the other instances are busy" in fit.describe()
-    # one factor a phase would stand for the run's mix of both: prefill beside a busy
-    # decode half the time, between 1.1 and 1.1 x 1.12
+    # one factor a phase stands for the run's mix of both: the prefill batches' measured
+    # over profiled time, between alone (1.1) and beside a busy decode throughout (1.1 x 1.12)
     mixed = fit_iterations(ctx, shape, name_to_items, tell_slowdown=False)
-    assert 1.13 < mixed.correction.prefill_factor < 1.2 and mixed.busy_slowdown == 0.0
+    prefill = name_to_items["prefill-0"]
+    ratio = sum(i.seconds for i in prefill) / sum(
+        profiled_s(ctx, "disaggregated", Config(1, 1), i) for i in prefill)
+    assert mixed.correction.prefill_factor == pytest.approx(ratio, rel=1e-9)
+    assert 1.1 * 1.01 < ratio < 1.1 * 1.12 * 0.99  # half of the batches beside a busy decode
+    assert not mixed.is_slowdown_measured and mixed.correction.busy_slowdown == 0.0
 
 
 def test_a_run_never_apart_from_the_others_keeps_the_slowdown_told_before():

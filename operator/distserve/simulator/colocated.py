@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from functools import partial
 
 from distserve.simulator.batch import DecodeRun, held_by_others, limit_runs
 from distserve.simulator.drift import SpeedDrift, drifting
 from distserve.simulator.events import EventLoop
-from distserve.simulator.host import SharedHost, shared_host
+from distserve.simulator.host import SharedHost, cut_runs, shared_host
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
 from distserve.simulator.timing import InstanceModel
 from distserve_engine import policy
@@ -64,13 +65,6 @@ class _Instance:
         host = self.sim.host
         if host is not None:
             host.set_busy(self.idx, not all(lane.is_idle() for lane in self.lanes))
-
-    def cut_runs(self) -> None:
-        """Another instance turned busy or idle: each stepping lane ends its run at its
-        next step, to go on at the host's new speed."""
-        for lane in self.lanes:
-            if lane.run.is_stepping:
-                lane.run.cut_short()
 
     def release(self, rid: int, from_lane: _Lane) -> None:
         self.count -= 1
@@ -267,7 +261,7 @@ def simulate_colocated(
     sim.instances = [_Instance(sim, i, m, max_batch, chunk_size) for i, m in enumerate(models)]
     if sim.host is not None:
         for instance in sim.instances:
-            sim.host.on_change[instance.idx] = instance.cut_runs
+            sim.host.on_change[instance.idx] = partial(cut_runs, instance.lanes)
     sim.loop.arrivals(trace.arrival_s.tolist(), sim.arrive)
     sim.loop.run()
     return sim.rec.result()

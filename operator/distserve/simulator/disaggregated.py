@@ -41,13 +41,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from operator import attrgetter
 
 from distserve.simulator.batch import DecodeRun, HeldTokens, limit_runs
 from distserve.simulator.boundaries import BoundaryQueue
 from distserve.simulator.drift import SpeedDrift, drifting
 from distserve.simulator.events import EventLoop
-from distserve.simulator.host import SharedHost, shared_host
+from distserve.simulator.host import SharedHost, cut_runs, shared_host
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
 from distserve.simulator.timing import InstanceModel
 from distserve_engine import policy
@@ -212,6 +213,7 @@ class _Decode:
 
     def __init__(self, sim, idx, inst: InstanceModel, max_batch, transfer, prefill_pps) -> None:
         self.sim, self.idx, self.inst, self.max_batch = sim, idx, inst, max_batch
+        self.host_index = len(sim.prefills) + idx  # after the prefill instances
         self.pending: deque[tuple[int, int]] = deque()  # (rid, prefill idx or RECOMPUTE)
         self.promised_tokens = 0  # admitted, not yet in a lane's batch
         self.count = 0  # admitted and not finished or preempted
@@ -308,15 +310,8 @@ class _Decode:
         """Tell the host whether a lane steps or prefills again."""
         host = self.sim.host
         if host is not None:
-            host.set_busy(len(self.sim.prefills) + self.idx,
+            host.set_busy(self.host_index,
                           any(lane.is_busy or lane.run.is_stepping for lane in self.lanes))
-
-    def cut_runs(self) -> None:
-        """Another instance turned busy or idle: each stepping lane ends its run at its
-        next step, to go on at the host's new speed."""
-        for lane in self.lanes:
-            if lane.run.is_stepping:
-                lane.run.cut_short()
 
 
 class _Lane:
@@ -439,7 +434,7 @@ def simulate_disaggregated(
     sim.is_prefill_only = not decode
     if sim.host is not None:
         for d in sim.decodes:
-            sim.host.on_change[len(sim.prefills) + d.idx] = d.cut_runs
+            sim.host.on_change[d.host_index] = partial(cut_runs, d.lanes)
     sim.max_decode_batch = max_decode_batch
     sim.can_decode_across_nodes = can_decode_across_nodes
     sim.find_nearest_decodes(len(sim.prefills))

@@ -4,8 +4,9 @@ A latency profile and a correction give each batch one time. A real runner's tim
 the same batch moves: from one stretch to the next (on this project's CPU hosts by
 x0.95-1.06 per 30 s window against the run's own factor; a decode step's speed by 8% in
 sd over 2 s windows, of which the slowdown beside a busy prefill, modelled apart
-(`simulator.host`), leaves 7%), and from one batch to the next. A constant speed predicts one figure where replays of the same
-requests differ (near the knee by several points of attainment), and tails too narrow:
+(`simulator.host`), leaves 7%), and from one batch to the next. A constant speed
+predicts one figure where replays of the same requests differ (near the knee by several
+points of attainment), and tails too narrow:
 TPOT over requests spreads with the speed of the seconds each request decodes in (1P+1D
 on SmolLM2, 300 requests at 1.6 req/s simulated with the run's own factors: TPOT p90
 0.037 s steady, 0.039 s with decode drifting over 2 s windows, 0.040 s measured; with

@@ -67,6 +67,14 @@ class SharedHost:
                 notify()
 
 
+def cut_runs(lanes) -> None:
+    """Another instance turned busy or idle: each of these stepping lanes (an instance's)
+    ends its decode run at its next step, to go on at the host's new speed."""
+    for lane in lanes:
+        if lane.run.is_stepping:
+            lane.run.cut_short()
+
+
 class HostTimer(ScaledTimer):
     """A timer (`StageTimer` or `DriftingTimer`) whose times follow the host's multiplier
     for one instance at the moment they are asked for."""
