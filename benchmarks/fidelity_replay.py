@@ -15,7 +15,10 @@ The variants:
 each at a steady speed and with the run's drift (the median over DRIFT_DRAWS histories,
 what `fidelity` prints). Then the same fitted on every run before it together (the
 deployment's history pooled), and on each run's own iterations (hindsight: the policies
-held apart from how the speed moved between runs). Prints, per run, the
+held apart from how the speed moved between runs), there also replaying the run's speed
+as it moved, window by window (`calibration.fit_history`, what `fidelity` prints beside
+each run: the policies held apart from how the speed moved within the run too). Prints,
+per run, the
 measured figures and each variant's gaps, and per variant the runs and figures within
 the goal (attainment within 2 points, percentiles within 10%: `report.goals_met`). It
 asserts nothing.
@@ -33,7 +36,7 @@ from pathlib import Path
 
 from distserve.cli.fidelity import load_run
 from distserve.cli.up import _choose_profile
-from distserve.local.calibration import fit_drift, fit_window
+from distserve.local.calibration import fit_drift, fit_history, fit_window
 from distserve.local.prediction import LocalShape, engine_context, median_of, predict_draws
 from distserve.local.report import GOAL_PERCENTILES, goals_met, summarize
 from distserve.local.settings import (
@@ -48,6 +51,8 @@ from distserve.spec import load_manifest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 VARIANTS = ("one factor a phase, steady", "one factor a phase, drift",
             "with the slowdown, steady", "with the slowdown, drift")
+# the run's own speed window by window (`fit_history`): hindsight only
+AS_IT_RAN = ("one factor a phase, as it ran", "with the slowdown, as it ran")
 
 
 def fitted_contexts(profiled, shape, doc: dict, known_slowdown: float) -> dict:
@@ -63,6 +68,9 @@ def fitted_contexts(profiled, shape, doc: dict, known_slowdown: float) -> dict:
                                                          drift=None)
         contexts[f"{tag}, drift"] = dataclasses.replace(profiled, correction=fit.correction,
                                                         drift=drift)
+        history = fit_history(profiled, shape, items, fit, started_s, ended_s)
+        contexts[f"{tag}, as it ran"] = dataclasses.replace(
+            profiled, correction=fit.correction, drift=history)
     return {"contexts": contexts, "slowed": slowed, "mixed": mixed}
 
 
@@ -113,6 +121,7 @@ def main() -> int:
         by_deployment.setdefault(doc["deployment"], []).append(doc)
     whens = ("from the run before", "from every run before", "own (hindsight)")
     tallies = {f"{when}: {v}": [] for when in whens for v in VARIANTS}
+    tallies |= {f"{whens[-1]}: {v}": [] for v in AS_IT_RAN}
     for deployment, docs in by_deployment.items():
         n = docs[0]["num_colocated"]
         settings = serve_settings(spec, instance_counts(spec, plan, n), manifest.metadata.name,
@@ -142,7 +151,7 @@ def main() -> int:
             print(f"  {'gap: simulated less measured':58s}  {header}")
             for when, source_fit in zip(whens, (fits[k - 1], pooled[k - 1], fits[k]),
                                         strict=True):
-                for variant in VARIANTS:
+                for variant in VARIANTS + (AS_IT_RAN if when == whens[-1] else ()):
                     ctx = source_fit["contexts"][variant]
                     predicted = median_of(predict_draws(ctx, shape, doc["requests"], rate))
                     tallies[f"{when}: {variant}"].append((measured, predicted))

@@ -29,6 +29,7 @@ from distserve.local.calibration import (
     PREFILL_DRIFT_WINDOW_S,
     _busy_within,
     fit_drift,
+    fit_history,
     fit_iterations,
     fit_window,
     profiled_s,
@@ -161,6 +162,35 @@ def test_a_runs_speed_per_window_is_told_against_the_whole_runs_factors():
     assert speeds.prefill_batch_sd == pytest.approx(0.0)
     assert speeds.between_sd("decode") == 0.0  # one window tells no spread
     assert "prefill x0.80-1.20 (3 windows), decode x1.00-1.00 (1 windows)" in speeds.describe()
+
+
+def test_a_runs_speed_window_by_window_is_the_history_the_simulator_replays():
+    _, shape, ctx = deployment(0)
+
+    def at(items: list[Iteration], first_s: float) -> list[Iteration]:
+        return [dataclasses.replace(item, started_s=first_s + i) for i, item in enumerate(items)]
+
+    prefill = (at(timed(ctx, "disaggregated", "prefill", PREFILL_BATCHES, 1.2), 1000.0)
+               + at(timed(ctx, "disaggregated", "prefill", PREFILL_BATCHES, 1.5), 1010.0)
+               # no prefill from 1020 to 1030 s: that window keeps the speed before it
+               + at(timed(ctx, "disaggregated", "prefill", PREFILL_BATCHES, 1.8), 1030.0)
+               # the last window takes the rest, past the run's end too
+               + at(timed(ctx, "disaggregated", "prefill", PREFILL_BATCHES, 1.8), 1041.0))
+    # no decode step before 1020 s: those windows take the first measured one's speed
+    decode = (at(timed(ctx, "disaggregated", "decode", DECODE_BATCHES, 1.0), 1020.0)
+              + at(timed(ctx, "disaggregated", "decode", DECODE_BATCHES, 2.0), 1030.0))
+    name_to_items = {"prefill-0": prefill, "decode-0": decode}
+    run_fit = fit_window(ctx, shape, name_to_items, 1000.0, tell_slowdown=False)
+    by = {fit.phase: fit for fit in run_fit.phases}
+    history = fit_history(ctx, shape, name_to_items, run_fit, 1000.0, 1045.0,
+                          prefill_window_s=10.0, decode_window_s=10.0,
+                          min_iterations=len(DECODE_BATCHES))
+    p, d = by["prefill"].factor, by["decode"].factor
+    assert history.prefill_speeds == pytest.approx([1.2 / p, 1.5 / p, 1.5 / p, 1.8 / p])
+    assert history.decode_speeds == pytest.approx([1.0 / d, 1.0 / d, 1.0 / d, 2.0 / d])
+    # the run's factor times each window's speed: the time the window's batches took
+    assert p * history.prefill_speeds[0] == pytest.approx(1.2)
+    assert history.decode_window_s == 10.0 and history.prefill_window_s == 10.0
 
 
 def test_batches_that_scatter_alike_in_every_window_are_a_batch_spread_not_a_drift():
@@ -350,6 +380,14 @@ def test_fidelity_calibrates_on_another_sample_then_judges_the_knee_with_the_cor
     # each rate after the first is predicted with the factors of the run just before it
     sources = re.findall(r"simulated with the factors of (.*?): prefill x1.50", out)
     assert sources == ["the calibration"] + [f"the run at {r:g} req/s" for r, *_ in rows[:2]]
+    # and replayed at its own speed as it moved, whose verdicts the last line counts
+    assert out.count("replaying this run's speed as it moved (prefill x1.50, decode x1.00; "
+                     "prefill x1.00-1.00 over 1 window of 10 s") == 3
+    met = [int(n) for n in re.findall(r"^    gap attainment .*: (\d) of 5 within the goal$", out,
+                                      re.M)]
+    replayed = re.search(r"replaying each run's speed as it moved .* for attainment at (\d) of "
+                         r"3 runs and for (\d+) of 12 percentiles", out)
+    assert len(met) == 3 and sum(met) == int(replayed.group(1)) + int(replayed.group(2))
 
 
 def test_fidelity_saves_each_run_to_be_predicted_again_offline(tmp_path, capsys):

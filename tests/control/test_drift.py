@@ -1,6 +1,7 @@
 """A drifting speed in the simulator (`simulator.drift`): the mean a correction gives is
 kept, a queue follows the speed of its stretch as queueing theory says, and how much a
-run's speed drifted is told from its iterations (`local.calibration.speeds_by_window`)."""
+run's speed drifted is told from its iterations (`local.calibration.speeds_by_window`); a
+run's speed as measured window by window (`SpeedHistory`) is replayed as it was."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import numpy as np
 import pytest
 from sim_factories import make_instance, make_trace
 
-from distserve.simulator import SpeedDrift, Trace, simulate_colocated, simulate_disaggregated
+from distserve.simulator import (
+    SpeedDrift,
+    SpeedHistory,
+    Trace,
+    simulate_colocated,
+    simulate_disaggregated,
+)
 from distserve.simulator.drift import SpeedTrack
 
 PROMPT = 512
@@ -102,3 +109,31 @@ def test_the_same_seed_draws_the_same_windows_whatever_batches_ran():
     other = SpeedTrack(dataclasses.replace(drift, seed=5))
     assert [other.window_at(t) for t in range(0, 100, 10)] != \
         [idle.window_at(t) for t in range(0, 100, 10)]
+
+
+def test_a_measured_history_replays_each_window_at_its_speed_the_last_holding_on():
+    history = SpeedHistory(prefill_window_s=10.0, prefill_speeds=(1.0, 2.0, 0.5),
+                           decode_window_s=10.0, decode_speeds=(1.0,))
+    ttft = prefill_only(lone_requests(5), history).ttft_s  # arrivals at 0, 10, ..., 40 s
+    assert ttft == pytest.approx([D_S, 2 * D_S, 0.5 * D_S, 0.5 * D_S, 0.5 * D_S], rel=1e-9)
+    # decode steps take the speed of the window their batch was formed in
+    decode = SpeedHistory(10.0, (1.0,), 5.0, (1.0, 1.5, 0.8, 1.2))
+    trace = lone_requests(3, output_tokens=11)  # first tokens at ~0.1, ~10.1, ~20.1 s
+    result = simulate_colocated(trace, [make_instance(decode_s_per_token=0.0)], drift=decode)
+    decode_base_s = 0.02  # the fake model's decode step
+    assert result.tpot_s == pytest.approx([decode_base_s * 1.0, decode_base_s * 0.8,
+                                           decode_base_s * 1.2], rel=1e-6)
+    # one history, however many draws a prediction takes
+    assert history.histories(8) == [history]
+    assert "prefill x0.50-2.00 over 3 windows of 10 s, decode x1.00-1.00 over 1 of 10 s" \
+        == history.describe()
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("prefill_window_s", 0.0), ("decode_window_s", -2.0), ("prefill_speeds", ()),
+    ("decode_speeds", (1.0, 0.0)), ("prefill_speeds", (float("nan"),))])
+def test_a_history_out_of_range_is_refused_naming_the_field(field, value):
+    good = dict(prefill_window_s=10.0, prefill_speeds=(1.0,), decode_window_s=2.0,
+                decode_speeds=(1.1, 0.9))
+    with pytest.raises(ValueError, match=field):
+        SpeedHistory(**{**good, field: value})

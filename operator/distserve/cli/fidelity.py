@@ -28,12 +28,17 @@ decode instances, then `--colocated N` colocated instances (the baseline). Per d
    steady speed and with the run's drift (the latency model's error told from the rest,
    and what the drift moves; each with the count of prefill iterations
    the simulator ran, to set against the instances' own: the same policy forms the same
-   batches), and the 1-minute load average over the run. Then the same comparison over
+   batches), and the 1-minute load average over the run. Then the simulator replaying
+   the run's speed as it moved, window by window (`calibration.fit_history`: prefill's
+   per 10 s, decode's per 2 s), with its gaps: with the speed known, what is left is
+   the simulator's policies against the engine's, apart from how well the speed was
+   foreseen. Then the same comparison over
    the run's requests after its first IN_RUN_REQUESTS, simulated with the factors of
    the iterations the instances ran while those first ones arrived: the runners' speed
    of that very run, as the analyzer corrects its model online from what it observes.
-4. Per deployment, a last line counts the runs whose figures the simulator met within
-   the goal, figure by figure (`report.format_tally`).
+4. Per deployment, a line counts the runs whose figures the simulator met within the
+   goal, figure by figure (`report.format_tally`), and another the same replaying each
+   run's speed as it moved.
 5. `--repeat N`: each rate is replayed N times in a row (after a calibration, each
    predicted with the factors of the run before it), then the replays side by side: how
    far apart the measured figures of the same requests at the same times lie, and
@@ -232,7 +237,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     .url, and iterations_fn(launcher) -> {instance name: [Iteration]} replace the HTTP load
     generator, the processes and the instances' /debug/iterations (tests). save_dir: each
     run is written there too (`save_run`)."""
-    from distserve.local.calibration import fetch_iterations, fit_drift, fit_window
+    from distserve.local.calibration import fetch_iterations, fit_drift, fit_history, fit_window
     from distserve.local.launcher import LocalLauncher
     from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context, predicted_knee_rps
     from distserve.local.report import format_replays, format_tally
@@ -247,7 +252,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     profiled = engine_context(build_context(spec), settings)
     estimate_rps = (plan.goodput_rps if plan else 0.0) or spec.workload.rate_rps or 1.0
     knee_trace = knee_trace or trace
-    rows = []
+    rows, replayed = [], []  # replayed: (measured, as the run's speed replayed)
     launch = launch or (lambda settings, port: LocalLauncher(settings, port=port))
     iterations_fn = iterations_fn or fetch_iterations
     with launch(settings, port) as launcher:
@@ -323,8 +328,18 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                 run_fit = fit_between(name_to_items, started_s)
                 drift, speeds = fit_drift(profiled, shape, name_to_items, run_fit, started_s,
                                           ended_s)
-                own = _report(spec, shape, trace, row, draws, ctx, profiled, factors_from,
-                              run_fit, speeds, drift)
+                # NOTE: one factor a phase: the windows carry the neighbours' slowdown at
+                # their own grain (over two saved runs of 12 rates, 48 of 48 percentiles
+                # within the goal, 45 with the slowdown modelled under the windows)
+                mixed = fit_window(profiled, shape, name_to_items, started_s,
+                                   tell_slowdown=False)
+                history = fit_history(profiled, shape, name_to_items, mixed, started_s, ended_s)
+                own, as_ran = _report(spec, shape, trace, row, draws, ctx, profiled,
+                                      factors_from, run_fit, speeds, drift,
+                                      dataclasses.replace(profiled, correction=mixed.correction,
+                                                          drift=history))
+                if as_ran is not None:
+                    replayed.append((row[1], as_ran))
                 if trace.num_requests >= 2 * IN_RUN_REQUESTS:
                     first_s = float(trace.at_rate(rate).arrival_s[IN_RUN_REQUESTS])
                     _report_in_run(spec, shape, trace, row, outcomes, ctx, profiled,
@@ -334,6 +349,10 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             if repeat > 1:
                 _say("\n" + format_replays(shape.describe(), rate, replays))
     _say("\n" + format_tally(shape.describe(), [(row[1], row[2]) for row in rows]))
+    if replayed:
+        _say(format_tally(shape.describe(), replayed, ", replaying each run's speed as it "
+                          "moved (the policies held apart from how well the speed was "
+                          "foreseen),"))
     return rows
 
 
@@ -376,17 +395,19 @@ def load_run(path: Path) -> dict:
 
 
 def _report(spec, shape, trace, row: tuple, draws, ctx, profiled, factors_from: str | None,
-            run_fit, speeds, drift):
+            run_fit, speeds, drift, as_it_ran):
     """Print one rate's comparison: measured beside simulated (the median of the `draws`
     of the speed's drift, whose range follows), the factors and drift the prediction used
     (from `factors_from`, None: the profile as measured) and the figures with the profile
     as measured, then the run's own iteration factors, how far the speed moved between
     windows of the run (`speeds`, `RunSpeeds`), its `drift`, and the figures with the
     run's own factors, at a steady speed and with that drift (what the drift alone
-    moves). Returns the context with those factors and drift, or None when a phase ran
-    no iteration."""
+    moves), and replaying its speed window by window (`as_it_ran`: a context whose drift
+    is the run's `SpeedHistory`), with the gaps. Returns the context with the run's own
+    factors and drift, and the figures replaying its speed (both None when a phase ran
+    no iteration)."""
     from distserve.local.prediction import predict_run, requests_of
-    from distserve.local.report import format_comparison, format_draws, format_other
+    from distserve.local.report import format_comparison, format_draws, format_gaps, format_other
 
     rate = row[0]
     text = format_comparison(shape.describe(), *row, spec.slo.attainment)
@@ -404,15 +425,20 @@ def _report(spec, shape, trace, row: tuple, draws, ctx, profiled, factors_from: 
         text += (f"\n  this run's speed per {speeds.window_s:g} s window, against its own "
                  f"factors: {speeds.describe()}")
     text += f"\n  this run's drift: {drift.describe()}"
-    own = None
+    own = as_ran = None
     if all(fit.num_iterations for fit in run_fit.phases):
         own = dataclasses.replace(profiled, correction=run_fit.correction, drift=drift)
         text += "\n" + format_other("with this run's own factors, steady", predict_run(
             dataclasses.replace(own, drift=None), shape, sent, rate))
         text += "\n" + format_other("with this run's own factors and drift",
                                      predict_run(own, shape, sent, rate))
+        as_ran = predict_run(as_it_ran, shape, sent, rate)
+        text += "\n" + format_other(
+            f"replaying this run's speed as it moved ({as_it_ran.correction.describe()}; "
+            f"{as_it_ran.drift.describe()})", as_ran)
+        text += "\n    gap " + format_gaps(row[1], as_ran)
     _say(text)
-    return own
+    return own, as_ran
 
 
 def _report_in_run(spec, shape, trace, row: tuple, outcomes, ctx, profiled, first_fit) -> None:

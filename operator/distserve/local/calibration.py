@@ -56,7 +56,7 @@ from distserve.local.prediction import LocalShape
 from distserve.local.settings import local_instance_name
 from distserve.search.candidates import Config
 from distserve.search.trials import SearchContext, instance_model
-from distserve.simulator import SpeedDrift
+from distserve.simulator import SpeedDrift, SpeedHistory
 from distserve_engine.instance.iterations import ITERATION_HISTORY, KINDS, Iteration
 
 MIN_SEQUENCE_S = 1e-6  # a time per sequence below this is the fit's rounding: none
@@ -76,6 +76,11 @@ MAX_DRIFT_SD = 0.5  # of log speed: more is a broken run, not a drift to simulat
 # TPOT over requests; a prefill batch takes ~0.5 s, so prefill's windows are longer
 PREFILL_DRIFT_WINDOW_S = 30.0
 DECODE_DRIFT_WINDOW_S = 2.0
+# a run's speed replayed window by window (`fit_history`): prefill's over windows that
+# hold a few batches, decode's over the drift's; fewer iterations tell no window's speed
+HISTORY_PREFILL_WINDOW_S = 10.0
+HISTORY_DECODE_WINDOW_S = 2.0
+MIN_HISTORY_ITERATIONS = 3
 
 
 @dataclass(frozen=True)
@@ -237,20 +242,12 @@ def speeds_by_window(ctx: SearchContext, shape: LocalShape,
     phase's windows of fewer than min_iterations iterations: how far the runners' speed
     moved within a run that one constant factor stands for, and how much of that the
     batches' own spread makes."""
-    whole = {fit.phase: fit for fit in run_fit.phases}
-    last_window = max(1, int((ended_s - started_s) // window_s)) - 1
     phase_to_speeds: dict[str, list[float]] = {}
     phase_to_noise: dict[str, list[float]] = {}
     prefill_residuals: list[tuple[float, float]] = []  # (modelled s, log of measured/window's)
-    run = _timed_iterations(ctx, shape, _between(name_to_iterations, started_s, math.inf))
-    for phase, timed in run.items():
-        fit = whole[phase]
-        window_to_pairs: dict[int, list[tuple[float, float]]] = {}  # (measured s, modelled s)
-        for item, p in _beside_busy(timed, run_fit.busy_slowdown):
-            if p > 0:
-                window = min(int((item.started_s - started_s) // window_s), last_window)
-                window_to_pairs.setdefault(window, []).append(
-                    (item.busy_s, fit.factor * p + fit.sequence_s * len(item.lens)))
+    windows = _window_pairs(ctx, shape, name_to_iterations, run_fit, started_s, ended_s,
+                            {"prefill": window_s, "decode": window_s})
+    for phase, window_to_pairs in windows.items():
         for window in sorted(window_to_pairs):
             if len(window_to_pairs[window]) < min_iterations:
                 continue
@@ -285,6 +282,60 @@ def fit_drift(ctx: SearchContext, shape: LocalShape,
                        DECODE_DRIFT_WINDOW_S, decode.between_sd("decode"),
                        min(MAX_DRIFT_SD, prefill.prefill_batch_sd))
     return drift, prefill
+
+
+def fit_history(ctx: SearchContext, shape: LocalShape,
+                name_to_iterations: Mapping[str, list[Iteration]], run_fit: IterationFit,
+                started_s: float, ended_s: float,
+                prefill_window_s: float = HISTORY_PREFILL_WINDOW_S,
+                decode_window_s: float = HISTORY_DECODE_WINDOW_S,
+                min_iterations: int = MIN_HISTORY_ITERATIONS) -> SpeedHistory:
+    """The speed the runs' runners ran at, window by window from started_s, against
+    run_fit (the fit of the iterations from started_s on, slowdown beside busy instances
+    included): a window of fewer than min_iterations of a phase takes the speed of the
+    window before (the first measured one, at the start; 1.0 where none is). The
+    simulator replays it (`SpeedHistory`): what a run's figures come to with its speed
+    known, window by window, and no more."""
+    windows = _window_pairs(ctx, shape, name_to_iterations, run_fit, started_s, ended_s,
+                            {"prefill": prefill_window_s, "decode": decode_window_s})
+    phase_to_speeds = {}
+    for phase, window_s in (("prefill", prefill_window_s), ("decode", decode_window_s)):
+        count = max(1, int((ended_s - started_s) // window_s))  # as `_window_pairs` cuts
+        measured = {}
+        for window, pairs in windows.get(phase, {}).items():
+            if len(pairs) >= min_iterations:
+                took, modelled = np.array(pairs).T
+                measured[window] = float(took.sum() / modelled.sum())
+        speed = measured[min(measured)] if measured else 1.0
+        speeds = []
+        for window in range(count):
+            speed = measured.get(window, speed)
+            speeds.append(speed)
+        phase_to_speeds[phase] = tuple(speeds)
+    return SpeedHistory(prefill_window_s, phase_to_speeds["prefill"], decode_window_s,
+                        phase_to_speeds["decode"])
+
+
+def _window_pairs(ctx: SearchContext, shape: LocalShape,
+                  name_to_iterations: Mapping[str, list[Iteration]], run_fit: IterationFit,
+                  started_s: float, ended_s: float, phase_to_window_s: Mapping[str, float],
+                  ) -> dict[str, dict[int, list[tuple[float, float]]]]:
+    """{phase: {window: (measured s, modelled s) of each of its iterations}}, the model
+    being run_fit's, windows of phase_to_window_s from started_s (the last one takes the
+    rest, past ended_s too)."""
+    whole = {fit.phase: fit for fit in run_fit.phases}
+    run = _timed_iterations(ctx, shape, _between(name_to_iterations, started_s, math.inf))
+    out: dict[str, dict[int, list[tuple[float, float]]]] = {}
+    for phase, timed in run.items():
+        fit, window_s = whole[phase], phase_to_window_s[phase]
+        last_window = max(1, int((ended_s - started_s) // window_s)) - 1
+        window_to_pairs = out.setdefault(phase, {})
+        for item, p in _beside_busy(timed, run_fit.busy_slowdown):
+            if p > 0:
+                window = min(int((item.started_s - started_s) // window_s), last_window)
+                window_to_pairs.setdefault(window, []).append(
+                    (item.busy_s, fit.factor * p + fit.sequence_s * len(item.lens)))
+    return out
 
 
 def _between(name_to_iterations: Mapping[str, Iterable[Iteration]], started_s: float,

@@ -154,12 +154,13 @@ def predict_run(ctx: SearchContext, shape: LocalShape, requests: Sequence[Reques
 def predict_draws(ctx: SearchContext, shape: LocalShape, requests: Sequence[Request],
                   rate_rps: float, scored_from: int = 0) -> list[RunSummary]:
     """`predict_run`'s figures for each history of ctx's drift it draws (seeds 0 to
-    DRIFT_DRAWS - 1), or the one run where the speed does not drift."""
+    DRIFT_DRAWS - 1), or the one run where the speed does not drift or follows a
+    measured `SpeedHistory`."""
     trace = trace_of(requests)
     drift = ctx.drift
     contexts = ([ctx] if drift is None or drift.is_still else
-                [dataclasses.replace(ctx, drift=dataclasses.replace(drift, seed=seed))
-                 for seed in range(DRIFT_DRAWS)])
+                [dataclasses.replace(ctx, drift=history)
+                 for history in drift.histories(DRIFT_DRAWS)])
     return [predicted_summary(simulate_shape(c, shape, trace), trace, rate_rps, ctx.slo.ttft_s,
                               ctx.slo.tpot_s, scored_from) for c in contexts]
 

@@ -145,16 +145,29 @@ def goals_met(measured: RunSummary, predicted: RunSummary) -> dict[str, bool]:
     return out
 
 
-def format_tally(what: str, pairs: list[tuple[RunSummary, RunSummary]]) -> str:
+def format_gaps(measured: RunSummary, predicted: RunSummary) -> str:
+    """Each figure's gap in one line, e.g. "attainment +0.2 pt, TTFT p50 -2.3%, ...: 5 of 5
+    within the goal"."""
+    within = goals_met(measured, predicted)
+    parts = [f"attainment {(predicted.attainment - measured.attainment) * 100:+.1f} pt"]
+    for label, field, p in GOAL_PERCENTILES:
+        m, s = getattr(measured, field)[p], getattr(predicted, field)[p]
+        parts.append(f"{label} {(s - m) / m:+.1%}" if m else f"{label} n/a")
+    return f"{', '.join(parts)}: {sum(within.values())} of {len(within)} within the goal"
+
+
+def format_tally(what: str, pairs: list[tuple[RunSummary, RunSummary]],
+                 how: str = "") -> str:
     """How many runs' figures the simulator met the goal for, figure by figure, over
-    (measured, predicted) pairs: the comparison's verdict in one line."""
+    (measured, predicted) pairs: the comparison's verdict in one line (`how`: how it was
+    simulated, where not as predicted)."""
     verdicts = [goals_met(m, p) for m, p in pairs]
 
     def count(label: str) -> int:
         return sum(v[label] for v in verdicts)
 
     labels = [label for label, _, _ in GOAL_PERCENTILES]
-    return (f"{what}: the simulator within the goal ({GOAL_ATTAINMENT_PT:g} pt, "
+    return (f"{what}: the simulator{how} within the goal ({GOAL_ATTAINMENT_PT:g} pt, "
             f"{GOAL_PERCENTILE_REL:.0%}) for attainment at {count('attainment')} of "
             f"{len(pairs)} runs and for {sum(map(count, labels))} of {len(pairs) * len(labels)} "
             "percentiles (" + ", ".join(f"{label} {count(label)}" for label in labels) + ")")

@@ -29,6 +29,7 @@ from distserve.simulator import (
     InstanceModel,
     SimResult,
     SpeedDrift,
+    SpeedHistory,
     StageTimer,
     Trace,
     TransferModel,
@@ -71,8 +72,9 @@ class SearchContext:
     # search sizes a plan for its rate
     max_waiting_requests: int | None = None
     # how the instances' speed moves while they serve (fitted on a running deployment,
-    # for predictions of it); None: each batch takes the profile's time
-    drift: SpeedDrift | None = None
+    # for predictions of it; or one run's speed as it moved, to replay the run); None:
+    # each batch takes the profile's time
+    drift: SpeedDrift | SpeedHistory | None = None
 
     def trial_trace(self, rate_rps: float) -> Trace:
         """The requests of one trial at rate_rps.

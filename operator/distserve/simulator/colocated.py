@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from distserve.simulator.batch import DecodeRun, held_by_others, limit_runs
-from distserve.simulator.drift import SpeedDrift, drifting
+from distserve.simulator.drift import SpeedDrift, SpeedHistory, drifting
 from distserve.simulator.events import EventLoop
 from distserve.simulator.host import SharedHost, cut_runs, shared_host
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
@@ -246,7 +246,7 @@ def simulate_colocated(
     max_batch_tokens: int = 2048,
     max_batch: int = 256,
     max_waiting: int | None = None,
-    drift: SpeedDrift | None = None,
+    drift: SpeedDrift | SpeedHistory | None = None,
     busy_slowdown: float = 0.0,
 ) -> SimResult:
     """Run one trial of the colocated engine: vLLM-style with chunk_size None, chunked

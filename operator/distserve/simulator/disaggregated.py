@@ -46,7 +46,7 @@ from operator import attrgetter
 
 from distserve.simulator.batch import DecodeRun, HeldTokens, limit_runs
 from distserve.simulator.boundaries import BoundaryQueue
-from distserve.simulator.drift import SpeedDrift, drifting
+from distserve.simulator.drift import SpeedDrift, SpeedHistory, drifting
 from distserve.simulator.events import EventLoop
 from distserve.simulator.host import SharedHost, cut_runs, shared_host
 from distserve.simulator.results import SLO, Recorder, SimResult, Trace
@@ -407,7 +407,7 @@ def simulate_disaggregated(
     max_decode_batch: int = 256,
     can_decode_across_nodes: bool = True,
     max_waiting: int | None = None,
-    drift: SpeedDrift | None = None,
+    drift: SpeedDrift | SpeedHistory | None = None,
     busy_slowdown: float = 0.0,
 ) -> SimResult:
     """Run one trial. An empty `prefill` simulates decode alone (requests arrive

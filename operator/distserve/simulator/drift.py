@@ -26,6 +26,7 @@ the host drifts as one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,6 +67,59 @@ class SpeedDrift:
                 f"{self.prefill_batch_sd:.1%}; decode {self.decode_sd:.1%} per "
                 f"{self.decode_window_s:g} s window")
 
+    def histories(self, count: int) -> list[SpeedDrift]:
+        """The drift with seeds 0 to count - 1: as many histories of it."""
+        return [dataclasses.replace(self, seed=seed) for seed in range(count)]
+
+    def track(self) -> SpeedTrack:
+        """The history this drift's seed draws."""
+        return SpeedTrack(self)
+
+
+@dataclass(frozen=True)
+class SpeedHistory:
+    """The speed one run's runners ran at, window by window from the run's start: each
+    phase's multipliers on its modelled time, constant over windows of its own length,
+    the last one holding on past the end (`local.calibration.fit_history` measures them).
+    A trial run on it replays the run's speed as it moved, where a `SpeedDrift` draws
+    histories that move as much: it holds the simulator's policies to the engine's apart
+    from how well the speed was foreseen."""
+
+    prefill_window_s: float
+    prefill_speeds: tuple[float, ...]
+    decode_window_s: float
+    decode_speeds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_window_s", "decode_window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("prefill_speeds", "decode_speeds"):
+            speeds = getattr(self, name)
+            if not speeds or not all(0.0 < v < math.inf for v in speeds):
+                raise ValueError(f"{name} must be one or more positive multipliers, got "
+                                 f"{speeds!r}")
+
+    @property
+    def is_still(self) -> bool:
+        """Whether every window runs at the modelled speed."""
+        return set(self.prefill_speeds) == set(self.decode_speeds) == {1.0}
+
+    def describe(self) -> str:
+        """e.g. "prefill x0.93-1.08 over 12 windows of 10 s, decode x0.85-1.21 over 60 of 2 s"."""
+        p, d = self.prefill_speeds, self.decode_speeds
+        return (f"prefill x{min(p):.2f}-{max(p):.2f} over {len(p)} window"
+                f"{'s' if len(p) > 1 else ''} of {self.prefill_window_s:g} s, decode "
+                f"x{min(d):.2f}-{max(d):.2f} over {len(d)} of {self.decode_window_s:g} s")
+
+    def histories(self, count: int) -> list[SpeedHistory]:
+        """The one history it is, however many are asked for."""
+        return [self]
+
+    def track(self) -> HistoryTrack:
+        """A track that reads the windows as measured."""
+        return HistoryTrack(self)
+
 
 class SpeedTrack:
     """One drawn history of a drift: multipliers on iteration times, by simulated time.
@@ -95,6 +149,29 @@ class SpeedTrack:
         return self._decode.at(now_s)
 
 
+class HistoryTrack:
+    """A `SpeedHistory` read at the trial's clock, in the shape of a `SpeedTrack`."""
+
+    __slots__ = ("history",)
+
+    def __init__(self, history: SpeedHistory) -> None:
+        self.history = history
+
+    def prefill_at(self, now_s: float) -> float:
+        """The multiplier of the prefill window that holds now_s."""
+        h = self.history
+        return _window_of(h.prefill_speeds, h.prefill_window_s, now_s)
+
+    def decode_at(self, now_s: float) -> float:
+        """The multiplier of the decode window that holds now_s."""
+        h = self.history
+        return _window_of(h.decode_speeds, h.decode_window_s, now_s)
+
+
+def _window_of(speeds: Sequence[float], window_s: float, now_s: float) -> float:
+    return speeds[min(len(speeds) - 1, max(0, int(now_s // window_s)))]
+
+
 class _Windows:
     """One phase's speed per window, drawn as the clock reaches each window."""
 
@@ -122,11 +199,12 @@ def _mean_one(sd: float, z: float) -> float:
 
 
 class DriftingTimer(ScaledTimer):
-    """A timer whose times follow a `SpeedTrack` at the trial's clock (`loop.now`)."""
+    """A timer whose times follow a `SpeedTrack` (or a `HistoryTrack`) at the trial's
+    clock (`loop.now`)."""
 
     __slots__ = ("track", "loop")
 
-    def __init__(self, timer, track: SpeedTrack, loop) -> None:
+    def __init__(self, timer, track: SpeedTrack | HistoryTrack, loop) -> None:
         super().__init__(timer)
         self.track = track
         self.loop = loop
@@ -138,12 +216,12 @@ class DriftingTimer(ScaledTimer):
         return self.track.decode_at(self.loop.now)
 
 
-def drifting(models: Sequence[InstanceModel], drift: SpeedDrift | None,
+def drifting(models: Sequence[InstanceModel], drift: SpeedDrift | SpeedHistory | None,
              loop) -> list[InstanceModel]:
-    """One trial's instances, each timed on one track of the drift drawn for the trial
-    (the models as they are with no drift)."""
+    """One trial's instances, each timed on one track of the drift drawn for the trial,
+    or of the history given (the models as they are with neither)."""
     if drift is None or drift.is_still:
         return list(models)
-    track = SpeedTrack(drift)
+    track = drift.track()
     return [InstanceModel(DriftingTimer(m.timer, track, loop), m.kv_capacity_tokens)
             for m in models]
