@@ -74,6 +74,8 @@ def test_up_measures_once_then_reads_the_cache_and_profile_overrides(tiny_llama,
     assert f"predicted with profile {cached} (measured just now" in log  # under the demo's report
     assert "simulated with these factors: attainment" in log
     assert re.search(r"the speed's drift over the demo: prefill [\d.]+% per 30 s window", log)
+    assert re.search(r"replaying the demo's speed as it moved \(prefill x[\d.]+, decode x[\d.]+.*; "
+                     r"prefill x[\d.]+-[\d.]+ over \d+ windows? of 10 s, decode .*\): attainment", log)
     assert f"latency: profile {cached.name}" in log  # the planner read it
     doc = json.loads(cached.read_text())
     assert doc["device"]["threads"] == 1 and doc["device"]["cpu_model"] in profile_line(log)

@@ -237,7 +237,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     .url, and iterations_fn(launcher) -> {instance name: [Iteration]} replace the HTTP load
     generator, the processes and the instances' /debug/iterations (tests). save_dir: each
     run is written there too (`save_run`)."""
-    from distserve.local.calibration import fetch_iterations, fit_drift, fit_history, fit_window
+    from distserve.local.calibration import as_it_ran, fetch_iterations, fit_drift, fit_window
     from distserve.local.launcher import LocalLauncher
     from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context, predicted_knee_rps
     from distserve.local.report import format_replays, format_tally
@@ -328,16 +328,10 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                 run_fit = fit_between(name_to_items, started_s)
                 drift, speeds = fit_drift(profiled, shape, name_to_items, run_fit, started_s,
                                           ended_s)
-                # NOTE: one factor a phase: the windows carry the neighbours' slowdown at
-                # their own grain (over two saved runs of 12 rates, 48 of 48 percentiles
-                # within the goal, 45 with the slowdown modelled under the windows)
-                mixed = fit_window(profiled, shape, name_to_items, started_s,
-                                   tell_slowdown=False)
-                history = fit_history(profiled, shape, name_to_items, mixed, started_s, ended_s)
                 own, as_ran = _report(spec, shape, trace, row, draws, ctx, profiled,
                                       factors_from, run_fit, speeds, drift,
-                                      dataclasses.replace(profiled, correction=mixed.correction,
-                                                          drift=history))
+                                      as_it_ran(profiled, shape, name_to_items, started_s,
+                                                ended_s))
                 if as_ran is not None:
                     replayed.append((row[1], as_ran))
                 if trace.num_requests >= 2 * IN_RUN_REQUESTS:
@@ -402,8 +396,8 @@ def _report(spec, shape, trace, row: tuple, draws, ctx, profiled, factors_from: 
     as measured, then the run's own iteration factors, how far the speed moved between
     windows of the run (`speeds`, `RunSpeeds`), its `drift`, and the figures with the
     run's own factors, at a steady speed and with that drift (what the drift alone
-    moves), and replaying its speed window by window (`as_it_ran`: a context whose drift
-    is the run's `SpeedHistory`), with the gaps. Returns the context with the run's own
+    moves), and replaying its speed window by window (`as_it_ran`: the context
+    `calibration.as_it_ran` makes), with the gaps. Returns the context with the run's own
     factors and drift, and the figures replaying its speed (both None when a phase ran
     no iteration)."""
     from distserve.local.prediction import predict_run, requests_of

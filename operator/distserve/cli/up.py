@@ -242,13 +242,14 @@ def _demo(args, spec, plan, launcher, source) -> int:
 def _print_own_factors(spec, launcher, requests, rate_rps: float, started_s: float,
                        ended_s: float) -> None:
     """The demo's iterations against the profile, and the simulator's figures with those
-    factors, steady and with the speed's drift over the demo (`calibration.fit_drift`):
-    how much of a gap is the latency model's (said why when unavailable)."""
+    factors, steady and with the speed's drift over the demo (`calibration.fit_drift`),
+    and replaying the demo's speed as it moved (`calibration.as_it_ran`): how much of a
+    gap is the latency model's, and how much the speed's (said why when unavailable)."""
     import dataclasses
 
     import httpx
 
-    from distserve.local.calibration import fetch_iterations, fit_drift, fit_iterations
+    from distserve.local.calibration import as_it_ran, fetch_iterations, fit_drift, fit_iterations
     from distserve.local.prediction import DRIFT_DRAWS, LocalShape, engine_context, predict_run
     from distserve.local.report import format_other
     from distserve.search import build_context
@@ -263,6 +264,8 @@ def _print_own_factors(spec, launcher, requests, rate_rps: float, started_s: flo
         steady = predict_run(own, shape, requests, rate_rps)
         drifting = (None if drift.is_still else
                     predict_run(dataclasses.replace(own, drift=drift), shape, requests, rate_rps))
+        replayed = as_it_ran(ctx, shape, name_to_items, started_s, ended_s)
+        as_ran = predict_run(replayed, shape, requests, rate_rps)
     except (ValueError, httpx.HTTPError) as err:
         _log(f"demo: the instances' iterations not read ({err})")
         return
@@ -272,6 +275,8 @@ def _print_own_factors(spec, launcher, requests, rate_rps: float, started_s: flo
     if drifting is not None:
         print(format_other("simulated with these factors and drift (the median of "
                            f"{DRIFT_DRAWS} histories)", drifting))
+    print(format_other(f"replaying the demo's speed as it moved ({replayed.correction.describe()}; "
+                       f"{replayed.drift.describe()})", as_ran))
 
 
 def _predicted(spec, settings: ServeSettings, requests, rate_rps: float):
