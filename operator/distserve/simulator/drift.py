@@ -22,6 +22,11 @@ form (a decode batch takes the speed of the moment its membership last changed, 
 times a second at serving rates). The windows are shared by every instance of a trial:
 the host drifts as one.
 `DriftingTimer` puts a track under a `StageTimer` for one trial.
+
+A `SpeedHistory` is one run's speed as it was measured, window by window
+(`local.calibration.fit_history`), read by a `HistoryTrack` in place of a drawn one: a
+run replayed at its own speed as it moved holds the simulator's policies to the
+engine's apart from how well that speed could be foreseen.
 """
 
 from __future__ import annotations
