@@ -390,6 +390,29 @@ def test_fidelity_calibrates_on_another_sample_then_judges_the_knee_with_the_cor
     assert len(met) == 3 and sum(met) == int(replayed.group(1)) + int(replayed.group(2))
 
 
+def test_repeated_replays_are_each_set_beside_their_own_speed_as_it_moved(capsys):
+    spec, shape, ctx = deployment(0)
+    trace = _sample_trace(spec, 12)
+    fake = SlowPrefillDeployment(ctx)
+
+    def launch(settings, port):
+        return contextlib.nullcontext(SimpleNamespace(url=f"http://127.0.0.1:{port}"))
+
+    compare_deployment(spec, None, "local", "/model", 0, trace, [0.5], 18000, drive_fn=fake.drive,
+                       launch=launch, iterations_fn=lambda _: fake.iterations, repeat=2)
+    out = capsys.readouterr().out
+    # each replay's own gap, as printed under it, comes back in the replays' summary
+    gaps = re.findall(r"^    gap attainment ([+-][\d.]+ pt), TTFT p50 ([+-][\d.]+%)", out, re.M)
+    assert len(gaps) == 2
+    summary = out[out.index("2 replays of the same requests"):]
+    (attainment,) = [line for line in summary.splitlines() if line.startswith("  attainment")]
+    assert attainment.endswith(f"; replaying each one's speed as it moved, gaps "
+                               f"{gaps[0][0]}, {gaps[1][0]}")
+    (ttft,) = [line for line in summary.splitlines() if line.startswith("  TTFT p50")]
+    assert ttft.endswith(f"; replaying each one's speed as it moved, gaps {gaps[0][1]}, "
+                         f"{gaps[1][1]}")
+
+
 def test_fidelity_saves_each_run_to_be_predicted_again_offline(tmp_path, capsys):
     spec, shape, ctx = deployment(0)
     trace, calibration = _sample_trace(spec, 12), _sample_trace(spec, 10, skip=12)

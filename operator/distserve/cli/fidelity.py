@@ -42,8 +42,10 @@ decode instances, then `--colocated N` colocated instances (the baseline). Per d
 5. `--repeat N`: each rate is replayed N times in a row (after a calibration, each
    predicted with the factors of the run before it), then the replays side by side: how
    far apart the measured figures of the same requests at the same times lie, and
-   whether one figure could be within the goal of every replay. Where the deployment
-   itself does not repeat within the goal, no prediction can meet it.
+   whether one figure could be within the goal of every replay, with the gaps of the
+   prediction and of each replay replayed at its own speed as it moved. Where the
+   deployment itself does not repeat within the goal, no prediction made before it can
+   meet it.
 6. `--save DIR`: each run (its requests, what the client saw of each, every instance's
    iterations) is written as JSON, for `benchmarks/fidelity_replay.py` to predict again
    offline with each way of correcting the simulator, side by side on the same runs.
@@ -311,7 +313,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
              + ", ".join(f"{r:g}" for r in at_rates) + " req/s")
         factors_from = "the calibration" if calibration is not None else None
         for rate in at_rates:
-            replays = []
+            replays, as_rans = [], []
             for replay in range(repeat):
                 started_s = time.time()
                 row, outcomes, draws = _compare_at(launcher.url, spec, ctx, shape, trace, rate,
@@ -334,6 +336,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                                                 ended_s))
                 if as_ran is not None:
                     replayed.append((row[1], as_ran))
+                as_rans.append(as_ran)
                 if trace.num_requests >= 2 * IN_RUN_REQUESTS:
                     first_s = float(trace.at_rate(rate).arrival_s[IN_RUN_REQUESTS])
                     _report_in_run(spec, shape, trace, row, outcomes, ctx, profiled,
@@ -341,7 +344,8 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                 if factors_from is not None and own is not None:  # the next run: the freshest factors
                     ctx, factors_from = own, f"the run at {rate:g} req/s"
             if repeat > 1:
-                _say("\n" + format_replays(shape.describe(), rate, replays))
+                _say("\n" + format_replays(shape.describe(), rate, replays, None
+                                            if None in as_rans else as_rans))
     _say("\n" + format_tally(shape.describe(), [(row[1], row[2]) for row in rows]))
     if replayed:
         _say(format_tally(shape.describe(), replayed, ", replaying each run's speed as it "

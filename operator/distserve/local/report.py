@@ -173,10 +173,18 @@ def format_tally(what: str, pairs: list[tuple[RunSummary, RunSummary]],
             "percentiles (" + ", ".join(f"{label} {count(label)}" for label in labels) + ")")
 
 
-def format_replays(what: str, rate: float, replays: list[tuple[RunSummary, RunSummary]]) -> str:
+def format_replays(what: str, rate: float, replays: list[tuple[RunSummary, RunSummary]],
+                   as_ran: list[RunSummary] | None = None) -> str:
     """The replays of the same requests at one rate, (measured, simulated) each: how far
     apart the measured figures lie, whether one figure could be within the goal of every
-    replay (no prediction can do better than that), and the simulator's gap to each."""
+    replay (no prediction can do better than that), and the simulator's gap to each, and
+    with `as_ran` (each replay simulated at its own speed as it moved) the gap to that."""
+    def replayed(gap) -> str:
+        if as_ran is None:
+            return ""
+        gaps = ", ".join(gap(m, s) for (m, _), s in zip(replays, as_ran, strict=True))
+        return f"; replaying each one's speed as it moved, gaps {gaps}"
+
     lines = [f"{what} at {rate:g} req/s, {len(replays)} replays of the same requests at the "
              "same times: the measured figures, how far apart, and the simulator's gap to each "
              "(simulated less measured)"]
@@ -186,17 +194,24 @@ def format_replays(what: str, rate: float, replays: list[tuple[RunSummary, RunSu
     gaps = ", ".join(f"{(p.attainment - m.attainment) * 100:+.1f}" for m, p in replays)
     lines.append(f"  attainment  measured {_range(attained, '.1f')} %, {apart:.1f} pt apart: "
                  f"{_fits(one_fits)} within {GOAL_ATTAINMENT_PT:g} pt of every replay; "
-                 f"gaps {gaps} pt")
+                 f"gaps {gaps} pt"
+                 + replayed(lambda m, s: f"{(s.attainment - m.attainment) * 100:+.1f} pt"))
     for label, field, p in GOAL_PERCENTILES:
         ms = [getattr(m, field)[p] for m, _ in replays]
         one_fits = (1 - GOAL_PERCENTILE_REL) * max(ms) <= (1 + GOAL_PERCENTILE_REL) * min(ms)
-        gaps = ", ".join(f"{(getattr(s, field)[p] - m) / m:+.1%}" if m else "n/a"
+        gaps = ", ".join(_relative_gap(m, getattr(s, field)[p])
                          for (_, s), m in zip(replays, ms, strict=True))
         ratio = f"x{max(ms) / min(ms):.2f}" if min(ms) > 0 else "n/a"
         lines.append(f"  {label}    measured {_range(ms, '.3f')} s, highest {ratio} the lowest: "
                      f"{_fits(one_fits)} within {GOAL_PERCENTILE_REL:.0%} of every replay; "
-                     f"gaps {gaps}")
+                     f"gaps {gaps}" + replayed(
+                         lambda m, s, field=field, p=p: _relative_gap(getattr(m, field)[p],
+                                                                      getattr(s, field)[p])))
     return "\n".join(lines)
+
+
+def _relative_gap(measured: float, simulated: float) -> str:
+    return f"{(simulated - measured) / measured:+.1%}" if measured else "n/a"
 
 
 def format_draws(draws: list[RunSummary], measured: RunSummary) -> str:
