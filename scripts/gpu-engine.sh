@@ -14,13 +14,15 @@
 # terminal and to $OUT (default out/gpu): the log, the profile, the fidelity tables.
 #
 #   scripts/gpu-bundle.sh && scripts/gpu-engine.sh          # GPU_DEVICE=cpu: a dry run here
+#   (with GPU_PROFILE_LIMIT_S=400 GPU_FIDELITY_LIMIT_S=1500: the CPU takes longer)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/out/gpu}
 DEVICE=${GPU_DEVICE:-cuda}
 REQUESTS=${GPU_FIDELITY_REQUESTS:-200}
-FIDELITY_LIMIT_S=${GPU_FIDELITY_LIMIT_S:-180}  # a dry run on a CPU needs more
+PROFILE_LIMIT_S=${GPU_PROFILE_LIMIT_S:-120}  # a dry run on a CPU needs more (~240 s)
+FIDELITY_LIMIT_S=${GPU_FIDELITY_LIMIT_S:-180}  # and here too
 WORK=$(mktemp -d /tmp/distserve-gpu.XXXXXX)
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu-engine.log") 2>&1
@@ -102,7 +104,7 @@ else:
 Path(out).write_text(yaml.safe_dump(doc, sort_keys=False))
 EOF
 DISTSERVE=("$PY" -m distserve)
-step "profile on $DEVICE" 120 "${DISTSERVE[@]}" profile -f "$WORK/gpu.yaml" -o "$OUT/profile.json" \
+step "profile on $DEVICE" "$PROFILE_LIMIT_S" "${DISTSERVE[@]}" profile -f "$WORK/gpu.yaml" -o "$OUT/profile.json" \
     ${GPU_PROFILE_ARGS:-}
 if [ -f "$OUT/profile.json" ]; then
     if [ "$DEVICE" = cpu ] || [ "$NUM_GPUS" -ge 2 ]; then
