@@ -55,9 +55,11 @@ VARIANTS = ("one factor a phase, steady", "one factor a phase, drift",
 AS_IT_RAN = ("one factor a phase, as it ran", "with the slowdown, as it ran")
 
 
-def fitted_contexts(profiled, shape, doc: dict, known_slowdown: float) -> dict:
-    """{variant: the context a prediction from this run runs with}, and the slowdown the
-    next run keeps where it cannot tell one."""
+def fitted_contexts(profiled, shape, doc: dict, known_slowdown: float,
+                    with_history: bool = True) -> dict:
+    """{variant: the context a prediction from this run runs with} (with_history: the
+    AS_IT_RAN ones too, replayed only on the run itself), and the slowdown the next run
+    keeps where it cannot tell one."""
     items, started_s, ended_s = doc["iterations"], doc["started_s"], doc["ended_s"]
     slowed = fit_window(profiled, shape, items, started_s, busy_slowdown=known_slowdown)
     mixed = fit_window(profiled, shape, items, started_s, tell_slowdown=False)
@@ -68,9 +70,10 @@ def fitted_contexts(profiled, shape, doc: dict, known_slowdown: float) -> dict:
                                                          drift=None)
         contexts[f"{tag}, drift"] = dataclasses.replace(profiled, correction=fit.correction,
                                                         drift=drift)
-        history = fit_history(profiled, shape, items, fit, started_s, ended_s)
-        contexts[f"{tag}, as it ran"] = dataclasses.replace(
-            profiled, correction=fit.correction, drift=history)
+        if with_history:
+            history = fit_history(profiled, shape, items, fit, started_s, ended_s)
+            contexts[f"{tag}, as it ran"] = dataclasses.replace(
+                profiled, correction=fit.correction, drift=history)
     return {"contexts": contexts, "slowed": slowed, "mixed": mixed}
 
 
@@ -133,7 +136,8 @@ def main() -> int:
         for k, doc in enumerate(docs):
             fits.append(fitted_contexts(profiled, shape, doc, known))
             known = fits[-1]["slowed"].busy_slowdown
-            pooled.append(fitted_contexts(profiled, shape, pool(docs[:k + 1]), 0.0))
+            pooled.append(fitted_contexts(profiled, shape, pool(docs[:k + 1]), 0.0,
+                                          with_history=False))
         print(f"\n{shape.describe()} ({deployment}): {len(docs)} runs")
         for doc, fit in zip(docs, fits, strict=True):
             print(f"  {doc['label']} at {doc['rate']:g} req/s: one factor a phase "

@@ -292,10 +292,10 @@ def fit_history(ctx: SearchContext, shape: LocalShape,
                 min_iterations: int = MIN_HISTORY_ITERATIONS) -> SpeedHistory:
     """The speed the run's runners ran at, window by window from started_s, against
     run_fit (the fit of the iterations from started_s on, with its slowdown beside busy
-    instances where it has one): a window of fewer than min_iterations of a phase takes the speed of the
-    window before (the first measured one, at the start; 1.0 where none is). The
-    simulator replays it (`SpeedHistory`): what a run's figures come to with its speed
-    known, window by window, and no more."""
+    instances where it has one): a window of fewer than min_iterations of a phase takes
+    the speed of the window before (the first measured one, at the start; 1.0 where none
+    is). The simulator replays it (`SpeedHistory`): what a run's figures come to with its
+    speed known, window by window, and no more."""
     windows = _window_pairs(ctx, shape, name_to_iterations, run_fit, started_s, ended_s,
                             {"prefill": prefill_window_s, "decode": decode_window_s})
     phase_to_speeds = {}

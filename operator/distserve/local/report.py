@@ -152,7 +152,7 @@ def format_gaps(measured: RunSummary, predicted: RunSummary) -> str:
     parts = [f"attainment {(predicted.attainment - measured.attainment) * 100:+.1f} pt"]
     for label, field, p in GOAL_PERCENTILES:
         m, s = getattr(measured, field)[p], getattr(predicted, field)[p]
-        parts.append(f"{label} {(s - m) / m:+.1%}" if m else f"{label} n/a")
+        parts.append(f"{label} {_relative_gap(m, s)}")
     return f"{', '.join(parts)}: {sum(within.values())} of {len(within)} within the goal"
 
 

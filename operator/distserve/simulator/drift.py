@@ -24,7 +24,7 @@ the host drifts as one.
 `DriftingTimer` puts a track under a `StageTimer` for one trial.
 
 A `SpeedHistory` is one run's speed as it was measured, window by window
-(`local.calibration.fit_history`), read by a `HistoryTrack` in place of a drawn one: a
+(`local.calibration.fit_history`), read as it is in place of a drawn track: a
 run replayed at its own speed as it moved holds the simulator's policies to the
 engine's apart from how well that speed could be foreseen.
 """
@@ -121,9 +121,17 @@ class SpeedHistory:
         """The one history it is, however many are asked for."""
         return [self]
 
-    def track(self) -> HistoryTrack:
-        """A track that reads the windows as measured."""
-        return HistoryTrack(self)
+    def track(self) -> SpeedHistory:
+        """Itself: a history is read as measured, in the shape of a `SpeedTrack`."""
+        return self
+
+    def prefill_at(self, now_s: float) -> float:
+        """The multiplier of the prefill window that holds now_s."""
+        return _window_of(self.prefill_speeds, self.prefill_window_s, now_s)
+
+    def decode_at(self, now_s: float) -> float:
+        """The multiplier of the decode window that holds now_s."""
+        return _window_of(self.decode_speeds, self.decode_window_s, now_s)
 
 
 class SpeedTrack:
@@ -152,25 +160,6 @@ class SpeedTrack:
     def decode_at(self, now_s: float) -> float:
         """The multiplier on decode steps run from now_s."""
         return self._decode.at(now_s)
-
-
-class HistoryTrack:
-    """A `SpeedHistory` read at the trial's clock, in the shape of a `SpeedTrack`."""
-
-    __slots__ = ("history",)
-
-    def __init__(self, history: SpeedHistory) -> None:
-        self.history = history
-
-    def prefill_at(self, now_s: float) -> float:
-        """The multiplier of the prefill window that holds now_s."""
-        h = self.history
-        return _window_of(h.prefill_speeds, h.prefill_window_s, now_s)
-
-    def decode_at(self, now_s: float) -> float:
-        """The multiplier of the decode window that holds now_s."""
-        h = self.history
-        return _window_of(h.decode_speeds, h.decode_window_s, now_s)
 
 
 def _window_of(speeds: Sequence[float], window_s: float, now_s: float) -> float:
@@ -204,12 +193,12 @@ def _mean_one(sd: float, z: float) -> float:
 
 
 class DriftingTimer(ScaledTimer):
-    """A timer whose times follow a `SpeedTrack` (or a `HistoryTrack`) at the trial's
+    """A timer whose times follow a `SpeedTrack` (or a `SpeedHistory`) at the trial's
     clock (`loop.now`)."""
 
     __slots__ = ("track", "loop")
 
-    def __init__(self, timer, track: SpeedTrack | HistoryTrack, loop) -> None:
+    def __init__(self, timer, track: SpeedTrack | SpeedHistory, loop) -> None:
         super().__init__(timer)
         self.track = track
         self.loop = loop
