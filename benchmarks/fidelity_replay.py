@@ -127,6 +127,8 @@ def main() -> int:
     tallies |= {f"{whens[-1]}: {v}": [] for v in AS_IT_RAN}
     for deployment, docs in by_deployment.items():
         n = docs[0]["num_colocated"]
+        # runs saved before the router could admit by TTFT admitted by the waiting bound
+        spec.router.admit_by_ttft = docs[0].get("admit_by_ttft", False)
         settings = serve_settings(spec, instance_counts(spec, plan, n), manifest.metadata.name,
                                   model_path, instance_parallel(spec, plan, n),
                                   plan if not n else None)

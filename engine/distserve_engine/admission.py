@@ -18,6 +18,9 @@ token, shared over the prefill instances, plus its own: requests admitted and no
 dispatched count too, so a burst sees itself) and the TTFT it got; a least-squares line `ttft = a + b * tokens` over the
 last `TTFT_WINDOW` requests. Until `MIN_TTFT_SAMPLES` requests have been seen nothing
 is refused on this ground.
+
+The simulator admits by this very class (`distserve.simulator.results.Recorder`), so it
+stays pure Python, importing nothing beyond the standard library.
 """
 
 from __future__ import annotations

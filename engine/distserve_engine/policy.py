@@ -1,8 +1,9 @@
 """The batching rules the engine and the simulator share, written once (no torch).
 
-The control plane never imports the engine, except this module: the simulator
-(`distserve.simulator`) imports it so that the prefill instances, the colocated instances
-and both simulators fill a prefill batch by the same function. It must therefore stay
+The simulator (`distserve.simulator`) imports nothing else of the engine but this module
+and the router's `admission`: the prefill instances, the colocated instances and both
+simulators fill a prefill batch by the same function, and the router and the simulators
+admit by the same `AdmissionControl`. It must therefore stay
 pure Python, importing nothing beyond the standard library (a test checks that importing
 the simulator loads no torch).
 

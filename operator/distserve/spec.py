@@ -262,7 +262,8 @@ class DistServeDeploymentSpec(SpecModel):
         default=None, description="A fixed placement; when set the search is skipped."
     )
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine pod options.")
-    router: RouterSpec = Field(default_factory=RouterSpec, description="The router's API keys.")
+    router: RouterSpec = Field(default_factory=RouterSpec,
+                               description="The router's API keys and admission.")
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec, description="Who may reach the pods.")
     auto_apply: bool = Field(

@@ -116,3 +116,11 @@ class RouterSpec(SpecModel):
         default=None, description="A Secret key holding the API keys (comma-separated) the "
         "router requires on /v1 as `Authorization: Bearer KEY`, given to the router pods as "
         "DISTSERVE_API_KEY. Unset: the API is open to whoever reaches the router.")
+    admit_by_ttft: bool = Field(
+        default=False, description="Refuse a request at once (429 with Retry-After) when "
+        "the router predicts that the prompts queued ahead of it would delay its first "
+        "token past slo.ttftSeconds, rather than serve it late and delay the requests "
+        "behind it too. The prediction is a line in the queued prompt tokens, fitted on the "
+        "TTFTs the router has seen; nothing is refused on this ground before 16 requests. "
+        "The predictions of a local deployment (`distserve up --demo`, `distserve "
+        "fidelity`) simulate it; the search sizes a plan for its rate without refusals.")

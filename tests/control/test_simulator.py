@@ -222,3 +222,78 @@ def test_the_router_refuses_arrivals_while_its_limit_of_requests_wait_for_a_firs
     # the refused shed their load: the last request is served as soon as without them
     assert unlimited.num_refused == 0 and not np.isnan(unlimited.ttft_s).any()
     assert result.ttft_s[-1] <= unlimited.ttft_s[-1]
+
+
+def replay_admission(trace: Trace, result, ttft_slo_s: float, num_entry: int) -> list[bool]:
+    """Which requests the engine's router (`distserve_engine.admission`) refuses when its
+    arrivals, first tokens and finishes come at the simulated times, fed to it in time
+    order as the router feeds it (admit with the prompt's tokens over the entry
+    instances; the TTFT at the first token; release at the finish)."""
+    from distserve_engine.admission import AdmissionControl, Overloaded
+
+    control = AdmissionControl(10**6, None, ttft_slo_s, True)
+    events = []  # (time, order at a tie: finishes and first tokens before arrivals, rid)
+    for rid, arrival_s in enumerate(trace.arrival_s):
+        events.append((float(arrival_s), 2, rid))
+        if not np.isnan(result.ttft_s[rid]):
+            events.append((float(arrival_s + result.ttft_s[rid]), 0, rid))
+            finish_s = result.ttft_s[rid] + result.tpot_s[rid] * (trace.output_tokens[rid] - 1)
+            events.append((float(arrival_s + finish_s), 1, rid))
+    refused, tickets = [False] * trace.num_requests, {}
+    for time_s, kind, rid in sorted(events):
+        if kind == 2:
+            try:
+                tickets[rid] = control.admit(int(trace.prompt_tokens[rid]), num_entry)
+            except Overloaded:
+                refused[rid] = True
+        elif kind == 0:
+            tickets[rid].first_token(time_s - float(trace.arrival_s[rid]))
+        else:
+            tickets[rid].release()
+    return refused
+
+
+@pytest.mark.parametrize(("engine", "num_prefill", "slo_s", "burst_admitted"), [
+    ("disaggregated", 1, 0.35, 3),  # the j-th of the burst predicted (j + 1) x 0.1 s
+    ("colocated", 1, 0.35, 3),
+    # two instances share the queue; the line, fitted on the first burst's TTFTs too,
+    # predicts 0.316 s for the burst's 6th and 0.360 s for its 7th
+    ("disaggregated", 2, 0.33, 6),
+])
+def test_the_router_refuses_the_requests_it_predicts_would_miss_the_ttft_slo(
+        engine, num_prefill, slo_s, burst_admitted):
+    """Admission by predicted TTFT, as the engine's router does it: a burst at the start
+    is all served (fewer than 16 TTFTs seen: no prediction yet), late ones included; then
+    16 lone requests teach the router 0.1 s per 512 queued prompt tokens, and the same
+    burst again is served only as far as the queue ahead lets its first token come within
+    the SLO: the rest are refused at once (failures, never served), and exactly those
+    would have missed it. The engine's own admission, fed the simulated events in time
+    order, refuses the same requests."""
+    burst = np.arange(6 if num_prefill == 1 else 8) * 1e-3
+    lone = 10.0 * np.arange(1, 17)
+    arrivals = np.concatenate([burst, lone, 200.0 + burst, [300.0]])
+    n = len(arrivals)
+    trace = Trace(arrivals, np.full(n, PROMPT, np.int64), np.full(n, 4, np.int64))
+    instance = make_instance(prefill_s_per_token=D_S / PROMPT, decode_base_s=0.01)
+
+    def run(admit_by_ttft_s):
+        if engine == "disaggregated":
+            return simulate_disaggregated(trace, [instance] * num_prefill, [instance],
+                                          transfer=None, max_prefill_tokens=PROMPT,
+                                          admit_by_ttft_s=admit_by_ttft_s)
+        return simulate_colocated(trace, [instance], max_batch_tokens=PROMPT,
+                                  admit_by_ttft_s=admit_by_ttft_s)
+
+    result, unlimited = run(slo_s), run(None)
+    refused = np.isnan(result.ttft_s)
+    second = np.arange(len(burst)) + len(burst) + len(lone)
+    expected = np.zeros(n, bool)
+    expected[second[burst_admitted:]] = True
+    assert refused.tolist() == expected.tolist()
+    assert result.num_refused == len(burst) - burst_admitted and unlimited.num_refused == 0
+    assert (unlimited.ttft_s[:len(burst)] > slo_s).any()  # the first burst, unpredicted
+    assert (unlimited.ttft_s[second[burst_admitted:]] > slo_s).all()  # the refused would miss
+    assert (result.ttft_s[~refused] <= slo_s).sum() == n - len(burst) + burst_admitted - (
+        unlimited.ttft_s[:len(burst)] > slo_s).sum()  # every other miss is the first burst's
+    num_entry = num_prefill if engine == "disaggregated" else 1
+    assert replay_admission(trace, result, slo_s, num_entry) == expected.tolist()

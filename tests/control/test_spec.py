@@ -49,6 +49,8 @@ def test_defaults_fill_what_the_user_left_out():
     assert doc.spec.cluster.node_affinity == "low"
     assert doc.spec.auto_apply is True
     assert doc.spec.placement is None
+    assert doc.spec.router.admit_by_ttft is False  # the router refuses only past its bounds
+    assert parse_manifest(make_manifest(router={"admitByTtft": True})).spec.router.admit_by_ttft
 
 
 @pytest.mark.parametrize(
@@ -60,6 +62,7 @@ def test_defaults_fill_what_the_user_left_out():
         ({"placement": {"prefill": {"tp": 0}, "decode": {}}}, "spec.placement.prefill.tp", "greater than or equal to 1"),
         ({"slo": {"ttftSeconds": 1, "tpotSeconds": 0.1, "ttft": 2}}, "spec.slo.ttft", "Extra inputs"),
         ({"workload": {"arrival": "trace"}}, "spec.workload", "tracePath"),
+        ({"router": {"admitByTtft": "sometimes"}}, "spec.router.admitByTtft", "valid boolean"),
     ],
 )
 def test_bad_values_name_the_field_and_what_was_expected(overrides, field, expected):

@@ -107,6 +107,10 @@ def add_arguments(parser) -> None:
                         help="plan and predict with this latency profile instead of this machine's cached one")
     parser.add_argument("--no-measure", action="store_true",
                         help="do not measure this machine's profile on first use (as `distserve up`)")
+    parser.add_argument("--admit-by-ttft", action="store_true",
+                        help="as if the spec's router.admitByTtft were true: the router refuses a "
+                             "request whose queue ahead it predicts would delay its first token "
+                             "past the TTFT SLO, and the simulator with it")
     parser.add_argument("--save", default=None, metavar="DIR",
                         help="write each run (its requests, what the client saw of each, and the "
                              "instances' iterations) to DIR as JSON, to predict again offline "
@@ -130,6 +134,7 @@ def run(args) -> int:
 
     manifest = load_manifest(args.file)
     spec = manifest.spec
+    spec.router.admit_by_ttft = spec.router.admit_by_ttft or args.admit_by_ttft
     model_path = find_model_path(spec)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -168,7 +173,9 @@ def run(args) -> int:
                    if args.calibrate_requests else None)
     _say(f"trace: {trace.num_requests} requests of the spec's workload, replayed at every rate "
          f"(the knee judged on {knee_trace.num_requests}); SLOs TTFT <= {spec.slo.ttft_seconds} s, "
-         f"TPOT <= {spec.slo.tpot_seconds} s, target {spec.slo.attainment:.0%}")
+         f"TPOT <= {spec.slo.tpot_seconds} s, target {spec.slo.attainment:.0%}"
+         + ("; the router refuses requests it predicts would miss the TTFT SLO"
+            if spec.router.admit_by_ttft else ""))
     shapes = [] if args.no_disaggregated else [0]
     shapes += [args.colocated] if args.colocated else []
     try:
@@ -289,7 +296,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             name_to_items = iterations_since(started_s)
             if save_dir is not None:
                 save_run(save_dir, num_colocated, "calibration", rate, calibration.at_rate(rate),
-                         outcomes, name_to_items, started_s, ended_s)
+                         outcomes, name_to_items, started_s, ended_s, settings.admit_by_ttft)
             fit = fit_between(name_to_items, started_s)
             drift, _ = fit_drift(profiled, shape, name_to_items, fit, started_s, ended_s)
             ctx = dataclasses.replace(profiled, correction=fit.correction, drift=drift)
@@ -326,7 +333,8 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                 name_to_items = iterations_since(started_s)
                 if save_dir is not None:
                     save_run(save_dir, num_colocated, f"rate-{len(rows)}", rate,
-                             trace.at_rate(rate), outcomes, name_to_items, started_s, ended_s)
+                             trace.at_rate(rate), outcomes, name_to_items, started_s, ended_s,
+                             settings.admit_by_ttft)
                 run_fit = fit_between(name_to_items, started_s)
                 drift, speeds = fit_drift(profiled, shape, name_to_items, run_fit, started_s,
                                           ended_s)
@@ -355,16 +363,18 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
 
 
 def save_run(save_dir: Path, num_colocated: int, label: str, rate: float, trace, outcomes,
-             name_to_items: dict, started_s: float, ended_s: float) -> Path:
+             name_to_items: dict, started_s: float, ended_s: float,
+             admit_by_ttft: bool = False) -> Path:
     """Write one run to save_dir/<deployment>-<label>.json: the deployment (colocated
-    instances, 0: the plan's prefill and decode), the rate, the requests sent, what the
-    client saw of each, and every instance's iterations from started_s on."""
+    instances, 0: the plan's prefill and decode) and whether its router admitted by
+    predicted TTFT, the rate, the requests sent, what the client saw of each, and every
+    instance's iterations from started_s on."""
     from distserve.local.prediction import requests_of
 
     deployment = f"colocated-{num_colocated}" if num_colocated else "disaggregated"
     doc = {
-        "deployment": deployment, "num_colocated": num_colocated, "label": label, "rate": rate,
-        "started_s": started_s, "ended_s": ended_s,
+        "deployment": deployment, "num_colocated": num_colocated, "admit_by_ttft": admit_by_ttft,
+        "label": label, "rate": rate, "started_s": started_s, "ended_s": ended_s,
         "requests": [[r.req_id, r.arrival_s, r.prompt_tokens, r.output_tokens]
                      for r in requests_of(trace)],
         "outcomes": [dataclasses.asdict(o) for o in outcomes],

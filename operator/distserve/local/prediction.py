@@ -82,10 +82,12 @@ class LocalShape:
 
 def engine_context(ctx: SearchContext, settings: ServeSettings) -> SearchContext:
     """The planner's context with the engine's limits from the serving settings (the
-    router's refusal beyond `max_waiting_requests` waiting for their first token too)."""
+    router's refusals too: beyond `max_waiting_requests` waiting for their first token,
+    and by predicted TTFT where the settings admit by it)."""
     return dataclasses.replace(ctx, max_prefill_tokens=settings.max_prefill_tokens,
                                max_decode_batch=settings.max_decode_batch,
-                               max_waiting_requests=settings.max_waiting_requests)
+                               max_waiting_requests=settings.max_waiting_requests,
+                               admit_by_ttft=settings.admit_by_ttft)
 
 
 def simulate_shape(ctx: SearchContext, shape: LocalShape, trace: Trace,

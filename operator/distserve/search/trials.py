@@ -71,10 +71,19 @@ class SearchContext:
     # refuses (a running deployment's, for predictions of it); None: no limit, as the
     # search sizes a plan for its rate
     max_waiting_requests: int | None = None
+    # whether that router also refuses a request whose queue ahead it predicts would
+    # delay its first token past the TTFT SLO (`distserve_engine.admission`)
+    admit_by_ttft: bool = False
     # how the instances' speed moves while they serve (fitted on a running deployment,
     # for predictions of it; or one run's speed as it moved, to replay the run); None:
     # each batch takes the profile's time
     drift: SpeedDrift | SpeedHistory | None = None
+
+    @property
+    def admit_by_ttft_s(self) -> float | None:
+        """The TTFT past which the router refuses a request it predicts would reach it
+        (the SLO's), or None where it does not admit by TTFT."""
+        return self.slo.ttft_s if self.admit_by_ttft else None
 
     def trial_trace(self, rate_rps: float) -> Trace:
         """The requests of one trial at rate_rps.
@@ -187,8 +196,8 @@ def simulate_unit(
         max_prefill_tokens=[prefill_tokens(ctx, c) for c in every.prefill],
         max_decode_batch=ctx.max_decode_batch,
         can_decode_across_nodes=ctx.can_decode_across_nodes,
-        max_waiting=ctx.max_waiting_requests, drift=ctx.drift,
-        busy_slowdown=ctx.correction.busy_slowdown,
+        max_waiting=ctx.max_waiting_requests, admit_by_ttft_s=ctx.admit_by_ttft_s,
+        drift=ctx.drift, busy_slowdown=ctx.correction.busy_slowdown,
     )
 
 
@@ -210,7 +219,8 @@ def simulate_baseline(
         trace, [model] * instances, slo=slo,
         chunk_size=ctx.chunk_size if name == "chunked_prefill" else None,
         max_batch_tokens=max_batch_tokens or max(2048, prefill_tokens(ctx, config)),
-        max_batch=ctx.max_decode_batch, max_waiting=ctx.max_waiting_requests, drift=ctx.drift,
+        max_batch=ctx.max_decode_batch, max_waiting=ctx.max_waiting_requests,
+        admit_by_ttft_s=ctx.admit_by_ttft_s, drift=ctx.drift,
         busy_slowdown=ctx.correction.busy_slowdown,
     )
 

@@ -210,9 +210,10 @@ class _Lane:
 
 class _Sim:
     def __init__(self, trace: Trace, slo: SLO | None, max_batch_tokens: int,
-                 max_waiting: int | None = None) -> None:
+                 max_waiting: int | None = None, admit_by_ttft_s: float | None = None,
+                 num_entry: int = 1) -> None:
         self.loop = EventLoop()
-        self.rec = Recorder(trace, slo, self.loop, max_waiting)
+        self.rec = Recorder(trace, slo, self.loop, max_waiting, admit_by_ttft_s, num_entry)
         self.prompt = trace.prompt_tokens.tolist()
         self.output = trace.output_tokens.tolist()
         self.held = list(self.prompt)  # tokens a request's next prefill computes
@@ -246,6 +247,7 @@ def simulate_colocated(
     max_batch_tokens: int = 2048,
     max_batch: int = 256,
     max_waiting: int | None = None,
+    admit_by_ttft_s: float | None = None,
     drift: SpeedDrift | SpeedHistory | None = None,
     busy_slowdown: float = 0.0,
 ) -> SimResult:
@@ -253,10 +255,13 @@ def simulate_colocated(
     prefill with piggybacked decodes otherwise. Timers should come from the colocated
     latency model. With `slo`, the trial stops once the target is out of reach.
     `max_waiting`: the router refuses a request on arrival while this many wait for their
-    first token (None: no limit). `drift`: the instances' speed moves as it says.
-    `busy_slowdown`: the instances share a host, and each runs x(1 + busy_slowdown x
-    the share of the others busy) (`host.SharedHost`)."""
-    sim = _Sim(trace, slo, max_batch_tokens, max_waiting)
+    first token (None: no limit); `admit_by_ttft_s`: it refuses one too when the queue
+    ahead is predicted to delay its first token past this (the TTFT SLO; None: never),
+    as the engine's router admits (`distserve_engine.admission`). `drift`: the
+    instances' speed moves as it says. `busy_slowdown`: the instances share a host, and
+    each runs x(1 + busy_slowdown x the share of the others busy) (`host.SharedHost`)."""
+    sim = _Sim(trace, slo, max_batch_tokens, max_waiting, admit_by_ttft_s,
+               max(len(instances), 1))
     models, sim.host = shared_host(drifting(instances, drift, sim.loop), busy_slowdown)
     sim.instances = [_Instance(sim, i, m, max_batch, chunk_size) for i, m in enumerate(models)]
     if sim.host is not None:

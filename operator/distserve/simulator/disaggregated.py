@@ -74,9 +74,10 @@ class TransferModel:
 class _Sim:
     """State shared by the instances of one trial."""
 
-    def __init__(self, trace: Trace, slo: SLO | None, max_waiting: int | None = None) -> None:
+    def __init__(self, trace: Trace, slo: SLO | None, max_waiting: int | None = None,
+                 admit_by_ttft_s: float | None = None, num_entry: int = 1) -> None:
         self.loop = EventLoop()
-        self.rec = Recorder(trace, slo, self.loop, max_waiting)
+        self.rec = Recorder(trace, slo, self.loop, max_waiting, admit_by_ttft_s, num_entry)
         self.prompt = trace.prompt_tokens.tolist()
         self.output = trace.output_tokens.tolist()
         self.first_token_s = [0.0] * trace.num_requests
@@ -407,6 +408,7 @@ def simulate_disaggregated(
     max_decode_batch: int = 256,
     can_decode_across_nodes: bool = True,
     max_waiting: int | None = None,
+    admit_by_ttft_s: float | None = None,
     drift: SpeedDrift | SpeedHistory | None = None,
     busy_slowdown: float = 0.0,
 ) -> SimResult:
@@ -417,10 +419,12 @@ def simulate_disaggregated(
     `can_decode_across_nodes` False (low node affinity): a prefilled request goes to a
     decode instance on its prefill's fastest link (its node), full or not.
     `max_waiting`: the router refuses a request on arrival while this many wait for their
-    first token (None: no limit). `drift`: the instances' speed moves as it says.
-    `busy_slowdown`: the instances share a host, and each runs x(1 + busy_slowdown x
-    the share of the others busy) (`host.SharedHost`)."""
-    sim = _Sim(trace, slo, max_waiting)
+    first token (None: no limit); `admit_by_ttft_s`: it refuses one too when the queue
+    ahead is predicted to delay its first token past this (the TTFT SLO; None: never),
+    as the engine's router admits (`distserve_engine.admission`). `drift`: the
+    instances' speed moves as it says. `busy_slowdown`: the instances share a host, and
+    each runs x(1 + busy_slowdown x the share of the others busy) (`host.SharedHost`)."""
+    sim = _Sim(trace, slo, max_waiting, admit_by_ttft_s, max(len(prefill), 1))
     models, sim.host = shared_host(drifting([*prefill, *decode], drift, sim.loop),
                                    busy_slowdown)
     prefill, decode = models[:len(prefill)], models[len(prefill):]

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from distserve_engine.admission import AdmissionControl, Overloaded, Ticket
+
 
 @dataclass(frozen=True)
 class SLO:
@@ -72,7 +74,8 @@ class SimResult:
     # (what the engine's instances log as "prefill" iterations, to set beside them)
     num_prefill_batches: int = 0
     # requests the router refused on arrival (its limit of requests waiting for their
-    # first token, `max_waiting`): NaN latencies, failures, as a 429 is to a client
+    # first token, `max_waiting`, or their predicted TTFT past `admit_by_ttft_s`): NaN
+    # latencies, failures, as a 429 is to a client
     num_refused: int = 0
 
     def attainment(self, slo: SLO) -> float:
@@ -97,7 +100,8 @@ class SimResult:
 class Recorder:
     """Collects first-token and finish times and stops the loop when the SLO is lost."""
 
-    def __init__(self, trace: Trace, slo: SLO | None, loop, max_waiting: int | None = None) -> None:
+    def __init__(self, trace: Trace, slo: SLO | None, loop, max_waiting: int | None = None,
+                 admit_by_ttft_s: float | None = None, num_entry: int = 1) -> None:
         n = trace.num_requests
         self.arrival_s = trace.arrival_s.tolist()
         self.output_tokens = trace.output_tokens.tolist()
@@ -113,16 +117,29 @@ class Recorder:
         self._ttft_ok = [True] * n
         self.num_preemptions = 0  # the simulators count here
         self.num_prefill_batches = 0
-        self._max_waiting = max_waiting  # None: every request is admitted
-        self._is_waiting = [False] * n  # admitted, first token not out yet
-        self.num_waiting = 0
+        # the engine's router's own admission (None: every request is admitted), with
+        # the prompt of each request and the instances a request enters by (prefill, or
+        # colocated), over which it shares the waiting prompt tokens
+        self._admission = None if max_waiting is None and admit_by_ttft_s is None else (
+            AdmissionControl(max_waiting if max_waiting is not None else math.inf, None,
+                             admit_by_ttft_s, admit_by_ttft_s is not None))
+        self._prompt_tokens = trace.prompt_tokens.tolist()
+        self._num_entry = num_entry
+        self._tickets: dict[int, Ticket] = {}  # admitted and not finished
         self.num_refused = 0
 
     def admit(self, rid: int) -> bool:
-        """Whether the router takes request rid on arrival: refused (a failure, never
-        served) while `max_waiting` admitted requests wait for their first token, as the
-        engine's router refuses with a 429 (`distserve_engine.admission`)."""
-        if self._max_waiting is not None and self.num_waiting >= self._max_waiting:
+        """Whether the router takes request rid on arrival, by the engine's router's own
+        `AdmissionControl` (`distserve_engine.admission`): refused (a failure, never
+        served, as a 429 is to a client) while `max_waiting` admitted requests wait for
+        their first token, or, with `admit_by_ttft_s`, when the TTFT its line fitted on
+        the requests so far predicts for the prompt tokens queued ahead is past it."""
+        if self._admission is None:
+            return True
+        try:
+            self._tickets[rid] = self._admission.admit(int(self._prompt_tokens[rid]),
+                                                       self._num_entry)
+        except Overloaded:
             self.num_refused += 1
             self._ttft_ok[rid] = False
             self._ttft_failed += 1
@@ -130,16 +147,14 @@ class Recorder:
                 self._tpot_failed += 1
             self._check()
             return False
-        self._is_waiting[rid] = True
-        self.num_waiting += 1
         return True
 
     def first_token(self, rid: int, time_s: float) -> None:
         """Request rid produced its first token at time_s."""
-        if self._is_waiting[rid]:
-            self._is_waiting[rid] = False
-            self.num_waiting -= 1
         ttft = time_s - self.arrival_s[rid]
+        ticket = self._tickets.get(rid)
+        if ticket is not None:
+            ticket.first_token(ttft)  # no longer waiting; its TTFT trains the line
         self.ttft_s[rid] = ttft
         if self._slo is not None and ttft > self._slo.ttft_s:
             self._ttft_ok[rid] = False
@@ -148,6 +163,9 @@ class Recorder:
 
     def finish(self, rid: int, time_s: float, first_token_s: float) -> None:
         """Request rid produced its last token at time_s."""
+        ticket = self._tickets.pop(rid, None)
+        if ticket is not None:
+            ticket.release()
         out = self.output_tokens[rid]
         tpot = (time_s - first_token_s) / (out - 1) if out > 1 else 0.0
         self.tpot_s[rid] = tpot
