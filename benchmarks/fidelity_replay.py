@@ -20,8 +20,9 @@ as it moved, window by window (`calibration.fit_history`, what `fidelity` prints
 each run: the policies held apart from how the speed moved within the run too). Prints,
 per run, the
 measured figures and each variant's gaps, and per variant the runs and figures within
-the goal (attainment within 2 points, percentiles within 10%: `report.goals_met`). It
-asserts nothing.
+the goal (attainment within 2 points, percentiles within 10%: `report.goals_met`). Runs
+saved with the router admitting by predicted TTFT (`fidelity --admit-by-ttft`) are
+predicted with that admission too. It asserts nothing.
 
     .venv/bin/distserve fidelity -f examples/local.yaml --save /tmp/fid-runs
     .venv/bin/python benchmarks/fidelity_replay.py /tmp/fid-runs [-f examples/local.yaml]
