@@ -134,7 +134,8 @@ def run(args) -> int:
 
     manifest = load_manifest(args.file)
     spec = manifest.spec
-    spec.router.admit_by_ttft = spec.router.admit_by_ttft or args.admit_by_ttft
+    if args.admit_by_ttft:
+        spec.router.admit_by_ttft = True
     model_path = find_model_path(spec)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -179,34 +179,37 @@ def format_replays(what: str, rate: float, replays: list[tuple[RunSummary, RunSu
     apart the measured figures lie, whether one figure could be within the goal of every
     replay (no prediction can do better than that), and the simulator's gap to each, and
     with `as_ran` (each replay simulated at its own speed as it moved) the gap to that."""
-    def replayed(gap) -> str:
+    measured = [m for m, _ in replays]
+    predicted = [s for _, s in replays]
+
+    def gaps(gap, simulated: list[RunSummary], unit: str = "") -> str:
+        """gap(measured, simulated) of each replay, joined; and the same to `as_ran`."""
+        text = ", ".join(gap(m, s) for m, s in zip(measured, simulated, strict=True))
         if as_ran is None:
-            return ""
-        gaps = ", ".join(gap(m, s) for (m, _), s in zip(replays, as_ran, strict=True))
-        return f"; replaying each one's speed as it moved, gaps {gaps}"
+            return text + unit
+        return (text + unit + "; replaying each one's speed as it moved, gaps "
+                + ", ".join(gap(m, s) + unit for m, s in zip(measured, as_ran, strict=True)))
 
     lines = [f"{what} at {rate:g} req/s, {len(replays)} replays of the same requests at the "
              "same times: the measured figures, how far apart, and the simulator's gap to each "
              "(simulated less measured)"]
-    attained = [m.attainment * 100 for m, _ in replays]
+    attained = [m.attainment * 100 for m in measured]
     apart = max(attained) - min(attained)
     one_fits = apart <= 2 * GOAL_ATTAINMENT_PT
-    gaps = ", ".join(f"{(p.attainment - m.attainment) * 100:+.1f}" for m, p in replays)
+    points = gaps(lambda m, s: f"{(s.attainment - m.attainment) * 100:+.1f}", predicted, " pt")
     lines.append(f"  attainment  measured {_range(attained, '.1f')} %, {apart:.1f} pt apart: "
                  f"{_fits(one_fits)} within {GOAL_ATTAINMENT_PT:g} pt of every replay; "
-                 f"gaps {gaps} pt"
-                 + replayed(lambda m, s: f"{(s.attainment - m.attainment) * 100:+.1f} pt"))
+                 f"gaps {points}")
     for label, field, p in GOAL_PERCENTILES:
-        ms = [getattr(m, field)[p] for m, _ in replays]
+        ms = [getattr(m, field)[p] for m in measured]
         one_fits = (1 - GOAL_PERCENTILE_REL) * max(ms) <= (1 + GOAL_PERCENTILE_REL) * min(ms)
-        gaps = ", ".join(_relative_gap(m, getattr(s, field)[p])
-                         for (_, s), m in zip(replays, ms, strict=True))
         ratio = f"x{max(ms) / min(ms):.2f}" if min(ms) > 0 else "n/a"
+        relative = gaps(lambda m, s, field=field, p=p: _relative_gap(getattr(m, field)[p],
+                                                                      getattr(s, field)[p]),
+                        predicted)
         lines.append(f"  {label}    measured {_range(ms, '.3f')} s, highest {ratio} the lowest: "
                      f"{_fits(one_fits)} within {GOAL_PERCENTILE_REL:.0%} of every replay; "
-                     f"gaps {gaps}" + replayed(
-                         lambda m, s, field=field, p=p: _relative_gap(getattr(m, field)[p],
-                                                                      getattr(s, field)[p])))
+                     f"gaps {relative}")
     return "\n".join(lines)
 
 
