@@ -76,24 +76,51 @@ class Ticket:
 
 @dataclass
 class TTFTModel:
-    """TTFT as a line in the prompt tokens queued ahead, fitted online."""
+    """TTFT as a line in the prompt tokens queued ahead, fitted online.
+
+    The window's sums are kept as samples come and go, so a prediction (one per request
+    the router sees, and per arrival the simulator replays) costs the same whatever the
+    window holds: the tokens' exactly (integers), the seconds' refreshed from the window
+    itself every TTFT_WINDOW samples, so rounding cannot pile up."""
 
     samples: deque = field(default_factory=lambda: deque(maxlen=TTFT_WINDOW))
+    _sum_x: int = 0
+    _sum_xx: int = 0
+    _sum_y: float = 0.0
+    _sum_xy: float = 0.0
+    _until_refresh: int = TTFT_WINDOW
 
     def observe(self, tokens_ahead: int, ttft_s: float) -> None:
         """Add one request's (tokens ahead, TTFT)."""
-        self.samples.append((float(tokens_ahead), ttft_s))
+        if len(self.samples) == self.samples.maxlen:
+            x, y = self.samples[0]
+            self._sum_x -= x
+            self._sum_xx -= x * x
+            self._sum_y -= y
+            self._sum_xy -= x * y
+        x = int(tokens_ahead)
+        self.samples.append((x, ttft_s))
+        self._sum_x += x
+        self._sum_xx += x * x
+        self._sum_y += ttft_s
+        self._sum_xy += x * ttft_s
+        self._until_refresh -= 1
+        if self._until_refresh <= 0:
+            self._sum_y = math.fsum(y for _, y in self.samples)
+            self._sum_xy = math.fsum(x * y for x, y in self.samples)
+            self._until_refresh = TTFT_WINDOW
 
     def line(self) -> tuple[float, float] | None:
-        """(seconds at no queue, seconds per queued token), or None before enough samples."""
+        """(seconds at no queue, seconds per queued token), or None before enough samples:
+        the least-squares line over the window."""
         n = len(self.samples)
         if n < MIN_TTFT_SAMPLES:
             return None
-        mean_x = sum(x for x, _ in self.samples) / n
-        mean_y = sum(y for _, y in self.samples) / n
-        var_x = sum((x - mean_x) ** 2 for x, _ in self.samples)
-        cov = sum((x - mean_x) * (y - mean_y) for x, y in self.samples)
-        slope_s = max(cov / var_x, 0.0) if var_x > 0 else 0.0
+        mean_x = self._sum_x / n
+        mean_y = self._sum_y / n
+        spread_x = n * self._sum_xx - self._sum_x * self._sum_x  # n^2 var(x), exact
+        slope_s = (max((n * self._sum_xy - self._sum_x * self._sum_y) / spread_x, 0.0)
+                   if spread_x > 0 else 0.0)
         if slope_s == 0.0:  # no spread in the queue yet: time per token from the means
             slope_s = mean_y / mean_x if mean_x > 0 else 0.0
             return 0.0, slope_s

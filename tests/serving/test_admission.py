@@ -6,11 +6,18 @@ import asyncio
 import threading
 
 import httpx
+import numpy as np
 import pytest
 from fake_instances import GatedClient, WordTokenizer
 from serving_helpers import ServerThread, wait_until
 
-from distserve_engine.admission import MIN_TTFT_SAMPLES, AdmissionControl, Overloaded
+from distserve_engine.admission import (
+    MIN_TTFT_SAMPLES,
+    TTFT_WINDOW,
+    AdmissionControl,
+    Overloaded,
+    TTFTModel,
+)
 from distserve_engine.router import Router
 from distserve_engine.server.openai_app import Frontend, build_openai_app
 
@@ -119,6 +126,23 @@ def trained(ttft_slo_s: float = 1.0, seconds_per_token: float = 0.002,
 def test_ttft_model_recovers_the_queue_line():
     a_s, b_s = trained().ttft_model.line()
     assert a_s == pytest.approx(0.05) and b_s == pytest.approx(0.002)
+
+
+def test_ttft_line_is_the_least_squares_line_of_the_last_window():
+    """Long after the window first filled (its old samples gone, its sums refreshed), the
+    line is the least-squares fit of the last TTFT_WINDOW samples alone."""
+    rng = np.random.default_rng(7)
+    model = TTFTModel()
+    xs = rng.integers(0, 40_000, size=3 * TTFT_WINDOW + 37)
+    # the line moves halfway: samples of the old one must have left the sums
+    ys = np.where(np.arange(len(xs)) < 2 * TTFT_WINDOW, 0.3 + 2e-4 * xs, 0.1 + 5e-5 * xs)
+    ys = ys + rng.normal(0.0, 0.05, size=len(xs))
+    for x, y in zip(xs, ys, strict=True):
+        model.observe(int(x), float(y))
+    slope, intercept = np.polyfit(xs[-TTFT_WINDOW:], ys[-TTFT_WINDOW:], 1)
+    a_s, b_s = model.line()
+    assert b_s == pytest.approx(slope, rel=1e-9) and a_s == pytest.approx(intercept, rel=1e-9)
+    assert b_s == pytest.approx(5e-5, rel=0.1)
 
 
 def test_a_queue_that_would_miss_the_ttft_slo_is_refused_with_its_drain_time():
