@@ -38,6 +38,7 @@ def test_plan_json_is_one_object_with_the_plan_and_baselines(tmp_path, capsys):
     assert doc["prefill"]["tp"] >= 1 and doc["decode"]["instances"] >= 1
     assert doc["baselines"]["colocated"]["per_gpu_goodput_rps"] > 0
     assert doc["latency_source"]["source"] == "profile" and doc["latency_source"]["tps"] == [1, 2, 4]
+    assert doc["admit_by_ttft"] is False  # planned for a router that queues, refusing nothing
     assert "algorithm 2" in err  # progress went to stderr
 
 
@@ -47,6 +48,19 @@ def test_plan_table_shows_placement_latency_and_baselines(tmp_path, capsys):
     for text in ("goodput", "TTFT", "TPOT", "node-0", "colocated", "chunked_prefill"):
         assert text in out
     assert "latency      profile a100-opt-profile.json (tp 1, 2, 4 only)" in out
+    assert "refusals" not in out
+
+
+def test_plan_for_a_router_that_admits_by_ttft_says_its_refusals_count_as_misses(tmp_path,
+                                                                                  capsys):
+    path = write_spec(tmp_path, router={"admitByTtft": True}, placement={
+        "prefill": {"tp": 1, "pp": 1, "instances": 1}, "decode": {"tp": 1, "pp": 1, "instances": 1}})
+    assert main(["plan", "-f", path]) == 0
+    out = capsys.readouterr().out
+    assert ("refusals     the router turns away a request it predicts would miss the TTFT SLO "
+            "(router.admitByTtft); each counted as a miss") in out
+    assert main(["plan", "-f", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["admit_by_ttft"] is True
 
 
 def test_plot_writes_a_png_of_attainment_curves(tmp_path, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from distserve.catalog import get_model
@@ -250,3 +252,28 @@ def test_a_pair_ranked_last_by_its_phases_alone_is_still_found_when_best():
     assert joint_rps > 1.5 * estimate_rps
     plan = plan_deployment(spec, overrides=SearchOverrides(with_baselines=False))
     assert plan.per_gpu_goodput_rps >= joint_rps / pair.num_gpus * (1 - REL_TOL)
+
+
+def test_a_router_that_admits_by_ttft_is_planned_with_its_refusals():
+    """spec.router.admitByTtft: the search refuses as that router does, each refusal a
+    miss, so the plan's goodput is the rate such a router serves within the SLOs: higher
+    than without refusals, and one at which the same instances without them miss the
+    target."""
+    fixed = {"placement": {"prefill": {"tp": 1, "pp": 1, "instances": 1},
+                           "decode": {"tp": 1, "pp": 1, "instances": 1}},
+             "cluster": {"gpusPerNode": 2}}
+    queueing = make_spec(**fixed)
+    refusing = make_spec(**fixed, router={"admitByTtft": True})
+    assert not build_context(queueing).admit_by_ttft
+    ctx = build_context(refusing)
+    assert ctx.admit_by_ttft and ctx.admit_by_ttft_s == refusing.slo.ttft_seconds
+    served = plan_deployment(queueing)
+    admitted = plan_deployment(refusing)
+    assert admitted.goodput_rps > served.goodput_rps * (1 + REL_TOL)
+    assert admitted.attainment >= 0.9
+    unit = plan_unit(ctx, admitted)
+    at_its_goodput = run_unit(ctx, unit, admitted.goodput_rps, None)
+    assert at_its_goodput.num_refused > 0 and at_its_goodput.attainment(ctx.slo) >= 0.9
+    without = run_unit(dataclasses.replace(ctx, admit_by_ttft=False), unit,
+                       admitted.goodput_rps, None)
+    assert without.num_refused == 0 and without.attainment(ctx.slo) < 0.9

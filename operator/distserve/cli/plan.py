@@ -90,18 +90,21 @@ def run(args) -> int:
         doc = {**plan.to_dict(), "latency_source": {
             "source": latency.source, "tps": list(latency.tps) if latency.tps else None,
             "profile": latency.profile_path or None, "reason": latency.reason,
-        }}
+        }, "admit_by_ttft": spec.router.admit_by_ttft}
         print(json.dumps(doc, indent=2))
     else:
-        print(format_plan(plan, manifest.metadata.name, latency))
+        print(format_plan(plan, manifest.metadata.name, latency, spec.router.admit_by_ttft))
     if args.plot:
         _plot(spec, plan, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
-def format_plan(plan: Plan, name: str, latency: SourceChoice | None = None) -> str:
-    """The human-readable report of a plan (and of the latency source, when given)."""
+def format_plan(plan: Plan, name: str, latency: SourceChoice | None = None,
+                admits_by_ttft: bool = False) -> str:
+    """The human-readable report of a plan (and of the latency source, when given);
+    admits_by_ttft: the spec's router refuses by predicted TTFT, and the plan was
+    simulated so."""
     lines = [
         f"plan for {name}: {plan.model} on {plan.num_gpus} x {plan.accelerator} "
         f"({plan.algorithm}, searched in {plan.search_seconds:.1f} s)",
@@ -118,6 +121,9 @@ def format_plan(plan: Plan, name: str, latency: SourceChoice | None = None) -> s
         f"  attainment   {plan.attainment:.1%} at goodput (target {plan.attainment_target:.0%}, "
         f"TTFT <= {plan.ttft_slo_s} s, TPOT <= {plan.tpot_slo_s} s)",
     ]
+    if admits_by_ttft:
+        lines.append("  refusals     the router turns away a request it predicts would miss the "
+                     "TTFT SLO (router.admitByTtft); each counted as a miss")
     if plan.rate_rps:
         lines.append(f"  sized for    {plan.rate_rps} req/s")
     if plan.shortfall_rps > 0:

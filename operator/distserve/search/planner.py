@@ -139,7 +139,9 @@ def resolve_cluster(
 def build_context(
     spec: DistServeDeploymentSpec, overrides: SearchOverrides | None = None
 ) -> SearchContext:
-    """The shared inputs of every trial: model, GPU, latency source, sampled requests, SLO."""
+    """The shared inputs of every trial: model, GPU, latency source, sampled requests, SLO,
+    and whether the router refuses by predicted TTFT (`spec.router.admitByTtft`): a plan
+    for such a router is sized with its refusals, each counted as a miss."""
     model, accelerator = _model_and_accelerator(spec)
     overrides = overrides or SearchOverrides()
     w = spec.workload
@@ -161,6 +163,7 @@ def build_context(
         inter_node_bytes_per_s=inter,
         correction=overrides.correction or Correction(),
         can_decode_across_nodes=not is_low_affinity(plan_algorithm(spec), spec.cluster.node_affinity),
+        admit_by_ttft=spec.router.admit_by_ttft,
     )
 
 

@@ -72,7 +72,9 @@ class SearchContext:
     # search sizes a plan for its rate
     max_waiting_requests: int | None = None
     # whether that router also refuses a request whose queue ahead it predicts would
-    # delay its first token past the TTFT SLO (`distserve_engine.admission`)
+    # delay its first token past the TTFT SLO (`distserve_engine.admission`); the spec's
+    # `router.admitByTtft`, for the search too: such a router turns away the requests a
+    # backlog would make late, so a plan for it serves more within the SLOs
     admit_by_ttft: bool = False
     # how the instances' speed moves while they serve (fitted on a running deployment,
     # for predictions of it; or one run's speed as it moved, to replay the run); None:
