@@ -20,7 +20,10 @@ as it moved, window by window (`calibration.fit_history`, what `fidelity` prints
 each run: the policies held apart from how the speed moved within the run too). Prints,
 per run, the
 measured figures and each variant's gaps, and per variant the runs and figures within
-the goal (attainment within 2 points, percentiles within 10%: `report.goals_met`). Runs
+the goal (attainment within 2 points, percentiles within 10%: `report.goals_met`). Per
+pair of runs in a row it prints how much slower the very same prefill batches (same
+prompt lengths, same instance) ran in the second, in CPU time and in wall time: the
+speed's level moving between runs, apart from the batches each formed. Runs
 saved with the router admitting by predicted TTFT (`fidelity --admit-by-ttft`) are
 predicted with that admission too. It asserts nothing.
 
@@ -37,7 +40,7 @@ from pathlib import Path
 
 from distserve.cli.fidelity import load_run
 from distserve.cli.up import _choose_profile
-from distserve.local.calibration import fit_drift, fit_history, fit_window
+from distserve.local.calibration import fit_drift, fit_history, fit_window, same_batches
 from distserve.local.prediction import LocalShape, engine_context, median_of, predict_draws
 from distserve.local.report import GOAL_PERCENTILES, goals_met, summarize
 from distserve.local.settings import (
@@ -146,6 +149,12 @@ def main() -> int:
             print(f"  {doc['label']} at {doc['rate']:g} req/s: one factor a phase "
                   f"{fit['mixed'].correction.describe()}; with the slowdown "
                   f"{fit['slowed'].correction.describe()}")
+        for before, after in zip(docs, docs[1:], strict=False):
+            same = same_batches(before["iterations"], after["iterations"],
+                                (before["started_s"], before["ended_s"]),
+                                (after["started_s"], after["ended_s"]))
+            print(f"  the same prefill batches in {after['label']} as in {before['label']}: "
+                  f"{same.describe()}")
         header = ("attainment  " + "  ".join(f"{label:>7s}" for label, _, _ in GOAL_PERCENTILES)
                   + "   goals")
         for k in range(1, len(docs)):

@@ -151,8 +151,8 @@ def profile_runner(runner: ModelRunner, grid: ProfileGrid,
     if len(prefill_points) < 3 or len(decode_points) < 3:
         raise ValueError("the grid leaves fewer than 3 prefill or decode points that fit this "
                          "runner's context and KV cache: widen it or raise the KV budget")
-    point_to_run = {("prefill", b): functools.partial(_prefill_once, runner, b) for b in prefill_points}
-    point_to_run |= {("decode", p): functools.partial(_decode_once, runner, *p) for p in decode_points}
+    point_to_run = {("prefill", b): functools.partial(time_prefill, runner, b) for b in prefill_points}
+    point_to_run |= {("decode", p): functools.partial(time_decode, runner, *p) for p in decode_points}
     say(f"timing {len(prefill_points)} prefill batches and {len(decode_points)} decode points "
         f"(a warm-up round, then at least {grid.repeats} timed rounds)")
     point_to_ms = _median_ms_interleaved(point_to_run, grid, say)
@@ -243,7 +243,7 @@ def fit_error(timings: Sequence[Timing], predict: Callable[[Timing], float]) -> 
     return FitError(statistics.fmean(errors), max(errors))
 
 
-def _prefill_once(runner: ModelRunner, prompt_lens: tuple[int, ...]) -> float:
+def time_prefill(runner: ModelRunner, prompt_lens: tuple[int, ...]) -> float:
     """Milliseconds of one prefill batch of these prompt lengths."""
     vocab = runner.model_config.vocab_size
     seqs = [EngineSequence(seq_id=i, prompt_token_ids=[(7 * j + i) % vocab for j in range(n)],
@@ -256,7 +256,7 @@ def _prefill_once(runner: ModelRunner, prompt_lens: tuple[int, ...]) -> float:
             runner.free(seq)
 
 
-def _decode_once(runner: ModelRunner, batch_size: int, context_len: int) -> float:
+def time_decode(runner: ModelRunner, batch_size: int, context_len: int) -> float:
     """Milliseconds of one decode step of batch_size sequences of context_len tokens each
     (context_len - 1 cached, plus the new one): T = batch_size * context_len."""
     vocab = runner.model_config.vocab_size

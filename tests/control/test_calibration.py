@@ -33,6 +33,7 @@ from distserve.local.calibration import (
     fit_iterations,
     fit_window,
     profiled_s,
+    same_batches,
     speeds_by_window,
 )
 from distserve.local.load import Outcome
@@ -306,6 +307,30 @@ def test_a_run_never_apart_from_the_others_keeps_the_slowdown_told_before():
     assert fit_iterations(ctx, shape, busy_only).busy_slowdown == 0.0
 
 
+def test_the_same_batches_of_two_runs_tell_how_much_slower_the_same_work_ran():
+    def run(started_s, batches, wall_s, cpu_s):
+        return [Iteration("prefill", started_s + k, wall_s(lens), lens, cpu_s=cpu_s(lens))
+                for k, lens in enumerate(batches)]
+
+    def seconds(lens):
+        return 0.001 * sum(lens)
+
+    before = {"prefill-0": run(0.0, [(300,), (97, 120), (500,)], seconds, seconds),
+              "decode-0": [Iteration("decode", 1.0, 0.05, (300,))]}
+    after = {"prefill-0": run(100.0, [(300,), (97, 120), (64, 64, 64)],
+                              lambda lens: 1.1 * seconds(lens), lambda lens: 1.05 * seconds(lens))
+             # outside the later run's window: not its batch
+             + [Iteration("prefill", 500.0, 9.0, (500,), cpu_s=9.0)],
+             "decode-0": [Iteration("decode", 101.0, 0.5, (300,))]}
+    same = same_batches(before, after, (0.0, 50.0), (100.0, 200.0))
+    assert same.count == 2  # (300,) and (97, 120): a decode step is no prefill batch
+    assert (same.wall, same.cpu) == pytest.approx((1.1, 1.05))
+    assert same.describe() == "2 batches, wall time x1.100 (CPU time x1.050)"
+    # the same lengths on another instance are other work
+    elsewhere = {"prefill-1": after["prefill-0"]}
+    assert same_batches(before, elsewhere).describe() == "none in common"
+
+
 def test_a_colocated_instance_is_fitted_per_kind_with_the_colocated_profile():
     _, shape, ctx = deployment(2)
     iterations = {
@@ -384,6 +409,9 @@ def test_fidelity_calibrates_on_another_sample_then_judges_the_knee_with_the_cor
     # each rate after the first is predicted with the factors of the run just before it
     sources = re.findall(r"simulated with the factors of (.*?): prefill x1.50", out)
     assert sources == ["the calibration"] + [f"the run at {r:g} req/s" for r, *_ in rows[:2]]
+    # and each set beside the run before it on the very same prefill batches
+    befores = re.findall(r"^  the same prefill batches as in (.*?): ", out, re.M)
+    assert befores == ["the calibration"] + [f"the run before ({r:g} req/s)" for r, *_ in rows[:2]]
     # and replayed at its own speed as it moved, whose verdicts the last line counts
     assert out.count("replaying this run's speed as it moved (prefill x1.50, decode x1.00; "
                      "prefill x1.00-1.00 over 1 window of 10 s") == 3

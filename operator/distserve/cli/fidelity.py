@@ -32,7 +32,10 @@ decode instances, then `--colocated N` colocated instances (the baseline). Per d
    the run's speed as it moved, window by window (`calibration.fit_history`: prefill's
    per 10 s, decode's per 2 s), with its gaps: with the speed known, what is left is
    the simulator's policies against the engine's, apart from how well the speed was
-   foreseen. Then the same comparison over
+   foreseen. Then how much slower the very same prefill batches (same prompt lengths,
+   same instance) ran than in the run before (`calibration.same_batches`): the speed's
+   level moving between runs, which a prediction made before the run cannot know and
+   which its gap at the knee follows. Then the same comparison over
    the run's requests after its first IN_RUN_REQUESTS, simulated with the factors of
    the iterations the instances ran while those first ones arrived: the runners' speed
    of that very run, as the analyzer corrects its model online from what it observes.
@@ -247,7 +250,13 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
     .url, and iterations_fn(launcher) -> {instance name: [Iteration]} replace the HTTP load
     generator, the processes and the instances' /debug/iterations (tests). save_dir: each
     run is written there too (`save_run`)."""
-    from distserve.local.calibration import as_it_ran, fetch_iterations, fit_drift, fit_window
+    from distserve.local.calibration import (
+        as_it_ran,
+        fetch_iterations,
+        fit_drift,
+        fit_window,
+        same_batches,
+    )
     from distserve.local.launcher import LocalLauncher
     from distserve.local.prediction import KNEE_DROP, LocalShape, engine_context, predicted_knee_rps
     from distserve.local.report import format_replays, format_tally
@@ -288,6 +297,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             return fit_window(profiled, shape, name_to_items, started_s, until_s,
                               ctx.correction.busy_slowdown)
 
+        previous = None  # the run before: (its name, its instances' iterations, its window)
         if calibration is not None:
             knee_rps, _ = predicted_knee_rps(profiled, shape, knee_trace, estimate_rps)
             rate = round(max(knee_rps, 0.01) * CALIBRATION_KNEE_FACTOR, 3)
@@ -298,6 +308,7 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
             if save_dir is not None:
                 save_run(save_dir, num_colocated, "calibration", rate, calibration.at_rate(rate),
                          outcomes, name_to_items, started_s, ended_s, settings.admit_by_ttft)
+            previous = ("the calibration", name_to_items, (started_s, ended_s))
             fit = fit_between(name_to_items, started_s)
             drift, _ = fit_drift(profiled, shape, name_to_items, fit, started_s, ended_s)
             ctx = dataclasses.replace(profiled, correction=fit.correction, drift=drift)
@@ -343,6 +354,12 @@ def compare_deployment(spec, plan, name: str, model_path: str, num_colocated: in
                                       factors_from, run_fit, speeds, drift,
                                       as_it_ran(profiled, shape, name_to_items, started_s,
                                                 ended_s))
+                if previous is not None:
+                    same = same_batches(previous[1], name_to_items, previous[2],
+                                        (started_s, ended_s))
+                    _say(f"  the same prefill batches as in {previous[0]}: {same.describe()}")
+                previous = (f"the run before ({rate:g} req/s)", name_to_items,
+                            (started_s, ended_s))
                 if as_ran is not None:
                     replayed.append((row[1], as_ran))
                 as_rans.append(as_ran)

@@ -352,6 +352,48 @@ def _window_pairs(ctx: SearchContext, shape: LocalShape,
     return out
 
 
+@dataclass(frozen=True)
+class SameBatches:
+    """The very same prefill batches in two runs (`same_batches`)."""
+
+    count: int  # batches of the same prompt lengths on the same instance in both
+    cpu: float  # geometric mean of their engine thread's CPU time, the later run's over the earlier's
+    wall: float  # the same of their wall time
+
+    def describe(self) -> str:
+        """e.g. "152 batches, wall time x1.064 (CPU time x1.059)"."""
+        if not self.count:
+            return "none in common"
+        return f"{self.count} batches, wall time x{self.wall:.3f} (CPU time x{self.cpu:.3f})"
+
+
+def same_batches(before: Mapping[str, Iterable[Iteration]], after: Mapping[str, Iterable[Iteration]],
+                 before_window: tuple[float, float] = (-math.inf, math.inf),
+                 after_window: tuple[float, float] = (-math.inf, math.inf)) -> SameBatches:
+    """How much slower the very same work ran in one run than in the one before: the
+    prefill batches of the same prompt lengths on the same instance that both ran (each
+    in its window of start times), their mean times set side by side. The speed's level
+    moving between the runs, apart from the batches each formed and from the profile's
+    fit; where the engine thread's CPU time moved less than the wall time, the runner
+    waited for its core."""
+    def by_batch(name_to_iterations, window) -> dict:
+        out: dict = {}
+        for name, items in _between(name_to_iterations, *window).items():
+            for item in items:
+                if item.kind == "prefill":
+                    cpu_s = item.cpu_s if item.cpu_s is not None else item.seconds
+                    out.setdefault((name, item.lens), []).append((cpu_s, item.seconds))
+        return out
+
+    first, then = by_batch(before, before_window), by_batch(after, after_window)
+    common = sorted(set(first) & set(then))
+    if not common:
+        return SameBatches(0, 1.0, 1.0)
+    logs = np.log([np.mean(then[key], axis=0) / np.mean(first[key], axis=0) for key in common])
+    cpu, wall = np.exp(logs.mean(axis=0))
+    return SameBatches(len(common), float(cpu), float(wall))
+
+
 def _between(name_to_iterations: Mapping[str, Iterable[Iteration]], started_s: float,
              until_s: float) -> dict[str, list[Iteration]]:
     return {name: [i for i in items if started_s <= i.started_s < until_s]
