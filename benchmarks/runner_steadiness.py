@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import queue
 import time
 
 import numpy as np
@@ -37,8 +38,9 @@ def _phase_args(text: str) -> tuple[int, int]:
 
 
 def _run(phase: str, core: int, seconds: float, prefill_tokens: int,
-         decode: tuple[int, int], out) -> None:
-    """One phase's calls, timed, for `seconds`, on `core` alone: (start, wall, cpu) each."""
+         decode: tuple[int, int], out, parent: int) -> None:
+    """One phase's calls, timed, for `seconds`, on `core` alone: (start, wall, cpu) each;
+    it stops early, without a word, once `parent` is gone (killed: nobody to tell)."""
     os.sched_setaffinity(0, {core})
     import torch
 
@@ -53,9 +55,13 @@ def _run(phase: str, core: int, seconds: float, prefill_tokens: int,
     for _ in range(3):
         call()
     out.put("ready")
-    out.get()  # both loaded: start together
+    while not out.wait(1.0):  # both loaded: start together
+        if os.getppid() != parent:
+            return
     started, rows = time.time(), []
     while time.time() - started < seconds:
+        if os.getppid() != parent:
+            return
         cpu = time.thread_time()
         wall_ms = call()
         rows.append((time.time() - started, wall_ms / 1e3, time.thread_time() - cpu))
@@ -93,7 +99,8 @@ def main() -> int:
     phases = ("prefill", "decode")
     queues = {phase: (context.Queue(), context.Queue()) for phase in phases}
     processes = [context.Process(target=_run, args=(phase, core, args.seconds, args.prefill,
-                                                    args.decode, _Pipe(*queues[phase])))
+                                                    args.decode, _Pipe(*queues[phase]),
+                                                    os.getpid()), daemon=True)
                  for phase, core in zip(phases, cores, strict=False)]
     for process in processes:
         process.start()
@@ -132,6 +139,14 @@ class _Pipe:
 
     def get(self):
         return self._to_child.get()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the word came within timeout_s."""
+        try:
+            self._to_child.get(timeout=timeout_s)
+        except queue.Empty:
+            return False
+        return True
 
 
 if __name__ == "__main__":
