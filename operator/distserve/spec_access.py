@@ -122,6 +122,6 @@ class RouterSpec(SpecModel):
         "token past slo.ttftSeconds, rather than serve it late and delay the requests "
         "behind it too. The prediction is a line in the queued prompt tokens, fitted on the "
         "TTFTs the router has seen; nothing is refused on this ground before 16 requests. "
-        "The planner's simulator refuses the same way, each refusal counted as a miss, so "
-        "a plan's goodput is what such a router delivers, as are the predictions of a "
-        "local deployment (`distserve up --demo`, `distserve fidelity`).")
+        "The planner's simulator refuses the same way, each refusal counted as a miss, and "
+        "so do the predictions of a local deployment (`distserve up --demo`, `distserve "
+        "fidelity`).")
