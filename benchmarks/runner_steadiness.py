@@ -38,9 +38,10 @@ def _phase_args(text: str) -> tuple[int, int]:
 
 
 def _run(phase: str, core: int, seconds: float, prefill_tokens: int,
-         decode: tuple[int, int], out, parent: int) -> None:
-    """One phase's calls, timed, for `seconds`, on `core` alone: (start, wall, cpu) each;
-    it stops early, without a word, once `parent` is gone (killed: nobody to tell)."""
+         decode: tuple[int, int], go, answers, parent: int) -> None:
+    """One phase's calls, timed, for `seconds`, on `core` alone, put on `answers` as
+    (start, wall, cpu) each once `go` says so; it stops early, without a word, once
+    `parent` is gone (killed: nobody to tell)."""
     os.sched_setaffinity(0, {core})
     import torch
 
@@ -54,10 +55,14 @@ def _run(phase: str, core: int, seconds: float, prefill_tokens: int,
             else (lambda: time_decode(runner, *decode)))
     for _ in range(3):
         call()
-    out.put("ready")
-    while not out.wait(1.0):  # both loaded: start together
-        if os.getppid() != parent:
-            return
+    answers.put("ready")
+    while True:  # both loaded: start together
+        try:
+            go.get(timeout=1.0)
+            break
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
     started, rows = time.time(), []
     while time.time() - started < seconds:
         if os.getppid() != parent:
@@ -65,7 +70,7 @@ def _run(phase: str, core: int, seconds: float, prefill_tokens: int,
         cpu = time.thread_time()
         wall_ms = call()
         rows.append((time.time() - started, wall_ms / 1e3, time.thread_time() - cpu))
-    out.put(rows)
+    answers.put(rows)
 
 
 def window_spread(rows: np.ndarray, window_s: float) -> tuple[int, float, float, float, float, float]:
@@ -79,7 +84,7 @@ def window_spread(rows: np.ndarray, window_s: float) -> tuple[int, float, float,
     walls = np.array([wall[index == k].mean() for k in range(n)])
     cpus = np.array([cpu[index == k].mean() for k in range(n)])
     logs = np.log(walls / walls.mean())
-    change = float(np.sqrt(np.mean(np.diff(logs) ** 2))) if n > 1 else 0.0
+    change = float(np.sqrt(np.mean(np.diff(logs) ** 2)))
     return (n, float(np.std(logs)), float(np.std(np.log(cpus))), float(np.exp(logs.min())),
             float(np.exp(logs.max())), change)
 
@@ -97,9 +102,9 @@ def main() -> int:
         raise SystemExit("needs two cores to pin the phases apart")
     context = multiprocessing.get_context("spawn")
     phases = ("prefill", "decode")
-    queues = {phase: (context.Queue(), context.Queue()) for phase in phases}
+    queues = {phase: (context.Queue(), context.Queue()) for phase in phases}  # (go, answers)
     processes = [context.Process(target=_run, args=(phase, core, args.seconds, args.prefill,
-                                                    args.decode, _Pipe(*queues[phase]),
+                                                    args.decode, *queues[phase],
                                                     os.getpid()), daemon=True)
                  for phase, core in zip(phases, cores, strict=False)]
     for process in processes:
@@ -126,27 +131,6 @@ def main() -> int:
             print(f"  {window_s:5.0f} s windows: {n:3d}, sd {sd:5.1%} (CPU time {cpu_sd:5.1%}), "
                   f"x{low:.3f}-{high:.3f} the mean; next window moved by {change:.1%} (rms)")
     return 0
-
-
-class _Pipe:
-    """The two queues of one phase's process: what it is told, and what it answers."""
-
-    def __init__(self, to_child, from_child) -> None:
-        self._to_child, self._from_child = to_child, from_child
-
-    def put(self, item) -> None:
-        self._from_child.put(item)
-
-    def get(self):
-        return self._to_child.get()
-
-    def wait(self, timeout_s: float) -> bool:
-        """Whether the word came within timeout_s."""
-        try:
-            self._to_child.get(timeout=timeout_s)
-        except queue.Empty:
-            return False
-        return True
 
 
 if __name__ == "__main__":
